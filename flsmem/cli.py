@@ -1,0 +1,43 @@
+"""The ``flsmem`` command line."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+__all__ = ["main"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flsmem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo", help="stream synthetic attention through every policy; print a table and write a plot"
+    )
+    demo.add_argument("--budgets", type=_ints, default=[32, 64, 128], help="comma-separated budgets")
+    demo.add_argument("--steps", type=int, default=512, help="length of each stream")
+    demo.add_argument("--streams", type=int, default=8, help="independent streams (batch)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", default="flsmem-demo.png", help="PNG path ('' for none)")
+    demo.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from flsmem.demo import run_demo
+
+        if args.steps < 2 or args.streams < 1:
+            parser.error("--steps must be >= 2 and --streams >= 1")
+        run_demo(args.budgets, args.steps, args.streams, args.seed, args.plot or None, args.json)
+
+
+if __name__ == "__main__":
+    main()

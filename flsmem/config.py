@@ -1,0 +1,79 @@
+"""Static memory configuration: the policy, the budget and the eviction schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flsmem.policies import Policy
+
+__all__ = ["MemoryConfig", "IMPLEMENTATIONS"]
+
+IMPLEMENTATIONS = ("pallas", "xla", None)
+
+
+def _positive_int(name: str, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """Frozen, hashable settings of a memory; a static argument under ``jax.jit``.
+
+    Eviction is batched: a row is evicted down to ``budget`` items once it holds
+    ``budget + evict_every`` (its high-water mark), so one item at a time arrives
+    ``evict_every`` times between evictions and the per-step cost is amortised. A chunk
+    of up to ``max_chunk`` items may be written at once before its queries are
+    observed; the slot array has room for both.
+
+    Attributes:
+      policy: the eviction :class:`~flsmem.policies.Policy`.
+      budget: items a row holds after eviction, protected ones included.
+      evict_every: items that may arrive between two evictions (the headroom).
+      max_chunk: most items one ``write`` may add (chunked prefill or teacher forcing).
+      implementation: top-k implementation for ``evict``: "pallas", "xla" or None
+        (best available; the jnp reference on CPU).
+      interpret: run the Pallas kernel in interpret mode (needed on CPU).
+    """
+
+    policy: Policy
+    budget: int
+    evict_every: int = 1
+    max_chunk: int = 1
+    implementation: str | None = None
+    interpret: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.policy, Policy):
+            raise ValueError(
+                f"policy must be a flsmem.policies.Policy (e.g. flsmem.policies.h2o()), "
+                f"got {type(self.policy).__name__}"
+            )
+        _positive_int("budget", self.budget)
+        _positive_int("evict_every", self.evict_every)
+        _positive_int("max_chunk", self.max_chunk)
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"
+            )
+        protected = self.policy.sinks + self.policy.protected_age
+        if self.policy.evicts and protected > self.budget:
+            raise ValueError(
+                f"budget must hold every protected item: sinks ({self.policy.sinks}) + "
+                f"max(recent, lag) ({self.policy.protected_age}) = {protected} > "
+                f"budget ({self.budget})"
+            )
+
+    @property
+    def capacity(self) -> int:
+        """Slots per row: the budget plus room for what arrives between evictions."""
+        return self.budget + self.evict_every + self.max_chunk - 1
+
+    @property
+    def high_water(self) -> int:
+        """Present items at which a row is evicted back to ``budget``."""
+        return self.budget + self.evict_every
+
+    def replace(self, **changes) -> "MemoryConfig":
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,95 @@
+"""``evict``: keep the highest-priority items of each row, protected ones always."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from flsmem import validate
+from flsmem.kernels.topk import topk_mask
+from flsmem.state import MemoryState, age, present
+from flsmem.typing import Array, Bool, Float
+
+__all__ = ["evict", "priority", "protected"]
+
+
+def protected(state: MemoryState) -> Bool[Array, "B K S"]:
+    """Present items that ``evict`` must keep: attention sinks (position below
+    ``sinks``), the recent window and slots inside their commit lag."""
+    policy = state.config.policy
+    sink = state.position < policy.sinks
+    young = age(state) <= policy.protected_age
+    return present(state) & (sink | young)
+
+
+def priority(state: MemoryState) -> Float[Array, "B K S"]:
+    """The key ``evict`` ranks by: +inf for protected items and for items written but
+    not yet arrived (a chunk's later items), the committed score for the other items,
+    -inf for free slots."""
+    here = present(state)
+    keep_always = state.valid & (~here | protected(state))
+    return jnp.where(keep_always, jnp.inf, jnp.where(here, state.score, -jnp.inf))
+
+
+def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
+    """Free the lowest-priority items of each row.
+
+    With ``budget=None`` a row is evicted only when due, that is when it holds
+    ``config.high_water = budget + evict_every`` present items, and then down to
+    ``config.budget``. With an explicit ``budget`` every row holding more is evicted
+    down to it now (prefill compression). Protected items are always kept and count
+    inside the budget; written items whose query has not come yet are kept and not
+    counted. The kept set is the top-``budget`` priority per row, ties to the lower
+    slot index, selected by :func:`flsmem.kernels.topk_mask`. Evictions, with the age
+    and score of what was evicted, are added to ``stats``.
+
+    Args:
+      state: the memory, after ``smooth``.
+      budget: items to keep per row now; None follows the schedule.
+
+    Returns:
+      The memory with the evicted slots freed (``valid`` False, ``position`` -1).
+    """
+    validate.check_state(state)
+    config = state.config
+    if budget is not None:
+        protected_count = config.policy.sinks + config.policy.protected_age
+        if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= protected_count):
+            raise ValueError(
+                f"budget must be an int >= the protected items (sinks + max(recent, lag) = "
+                f"{protected_count}), got {budget!r}"
+            )
+    if not config.policy.evicts:
+        return state
+    b, k, s = state.valid.shape
+    here = present(state)
+    n_present = jnp.sum(here, axis=-1, dtype=jnp.int32)
+    n_waiting = jnp.sum(state.valid & ~here, axis=-1, dtype=jnp.int32)
+    if budget is None:
+        target, due = config.budget, n_present >= config.high_water
+    else:
+        target, due = budget, n_present > budget
+
+    def run(state: MemoryState) -> MemoryState:
+        keep = topk_mask(
+            priority(state).reshape(b * k, s),
+            (target + n_waiting).reshape(b * k),
+            implementation=config.implementation,
+            interpret=config.interpret,
+        ).reshape(b, k, s)
+        evicted = state.valid & ~keep & due[..., None]
+        ages = age(state).astype(jnp.float32)
+        stats = state.stats
+        stats = stats.replace(
+            evictions=stats.evictions + jnp.sum(evicted, axis=(1, 2), dtype=jnp.int32),
+            evicted_age=stats.evicted_age + jnp.sum(jnp.where(evicted, ages, 0.0), axis=(1, 2)),
+            evicted_score=stats.evicted_score
+            + jnp.sum(jnp.where(evicted, state.score, 0.0), axis=(1, 2)),
+        )
+        return state.replace(
+            valid=state.valid & ~evicted,
+            position=jnp.where(evicted, -1, state.position),
+            stats=stats,
+        )
+
+    return lax.cond(jnp.any(due), run, lambda st: st, state)

@@ -1,0 +1,273 @@
+"""Per-row top-k selection masks.
+
+``topk_mask(scores, k)`` returns a boolean mask of shape ``[R, N]`` that marks,
+in every row of a float32 ``[R, N]`` array, the ``k`` largest entries. Both
+implementations (a Pallas radix-select kernel and a plain ``jnp`` reference)
+follow the same total order and agree bit for bit:
+
+* larger values rank higher; ``+inf`` is the largest value;
+* ``NaN`` ranks lowest, below ``-inf``;
+* ``-0.0`` and ``+0.0`` are equal (``-0.0`` is canonicalised to ``+0.0``);
+  subnormals are distinct from zero (ranking works on the bit patterns, so no
+  backend's flush-to-zero can change the result);
+* equal values (including NaN against NaN) are ordered by index: the lower
+  index is kept first.
+
+``k`` is either a Python int shared by all rows or an integer array ``[R]``
+(possibly traced) with one value per row. Per row it is clipped to ``[0, N]``:
+``k <= 0`` keeps nothing and ``k >= N`` keeps everything.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+__all__ = ["topk_mask", "topk_mask_reference"]
+
+_INT32_MIN = -(2**31)
+_IMPLEMENTATIONS = ("pallas", "xla", None)
+# Counts are accumulated in float32 (float row sums lower everywhere), which is
+# exact only below 2**24.
+_MAX_PALLAS_COLUMNS = 2**24
+
+
+def _sortable_keys(x):
+    """Maps float32 values to int32 keys whose signed order is the rank order.
+
+    Args:
+      x: float32 array of any shape.
+
+    Returns:
+      int32 array of the same shape. ``-0.0`` maps to the key of ``+0.0`` and
+      every NaN maps to ``INT32_MIN``, below the key of ``-inf``.
+    """
+    # Pure integer work on the bit pattern: float compares would flush
+    # subnormals to zero on some backends and tie them with 0.0.
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    magnitude = bits & jnp.int32(0x7FFFFFFF)
+    # Sign-magnitude to two's complement; -0.0 lands on the key of +0.0.
+    keys = jnp.where(bits < 0, -magnitude, bits)
+    is_nan = magnitude > jnp.int32(0x7F800000)
+    return jnp.where(is_nan, jnp.int32(_INT32_MIN), keys)
+
+
+def _validate(scores, k):
+    """Checks the arguments and returns ``(scores, k)`` with k as int32 ``[R]``."""
+    scores = jnp.asarray(scores)
+    if scores.ndim != 2 or scores.dtype != jnp.float32:
+        raise ValueError(
+            "scores must be a float32 array of shape [R, N], got "
+            f"{scores.dtype} array of shape {tuple(scores.shape)}"
+        )
+    rows, cols = scores.shape
+    if isinstance(k, numbers.Integral) and not isinstance(k, bool):
+        if k < 0:
+            raise ValueError(f"k must be a non-negative int, got {k}")
+        # Clip before converting so huge Python ints cannot overflow int32.
+        return scores, jnp.full((rows,), min(int(k), cols), jnp.int32)
+    if not hasattr(k, "dtype") or not hasattr(k, "shape"):
+        raise ValueError(
+            f"k must be a Python int or an integer array of shape [R], got {k!r}"
+        )
+    if not jnp.issubdtype(k.dtype, jnp.integer) or tuple(k.shape) != (rows,):
+        raise ValueError(
+            f"k must be a Python int or an integer array of shape [{rows}], got "
+            f"{k.dtype} array of shape {tuple(k.shape)}"
+        )
+    return scores, jnp.clip(jnp.asarray(k), 0, cols).astype(jnp.int32)
+
+
+def _reference(scores, k):
+    """Stable-sort top-k. scores: float32 [R, N]; k: int32 [R] in [0, N]."""
+    rows, cols = scores.shape
+    order = jnp.argsort(_sortable_keys(scores), axis=-1, descending=True, stable=True)
+    rank_sorted = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    keep_sorted = rank_sorted < k.reshape(rows, 1)
+    row_ids = lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
+    return jnp.zeros((rows, cols), jnp.bool_).at[row_ids, order].set(keep_sorted)
+
+
+def topk_mask_reference(scores, k):
+    """Plain ``jnp`` top-k mask (stable descending argsort). jit- and vmap-able.
+
+    Args:
+      scores: float32 ``[R, N]``.
+      k: Python int >= 0, or integer array ``[R]`` (clipped to ``[0, N]``).
+
+    Returns:
+      bool ``[R, N]``; row ``r`` has exactly ``clip(k[r], 0, N)`` True entries.
+
+    Raises:
+      ValueError: on a malformed ``scores`` or ``k``.
+    """
+    scores, k = _validate(scores, k)
+    return _reference(scores, k)
+
+
+def _radix_select_kernel(scores_ref, k_ref, out_ref, *, num_cols):
+    """Marks the k largest entries of each row of one ``[B, Np]`` block.
+
+    Only elementwise ops, last-axis sums and fixed-trip loops are used so the
+    body lowers on both Mosaic (TPU) and Triton (GPU).
+    """
+    shape = scores_ref.shape
+    index_bits = shape[1].bit_length() - 1  # shape[1] is a power of two.
+    keys = _sortable_keys(scores_ref[...])
+    col = lax.broadcasted_iota(jnp.int32, shape, 1)
+    valid = col < num_cols  # Padding columns must never be selected.
+    k = k_ref[...].astype(jnp.float32)  # [B, 1]
+
+    def count(pred):
+        return jnp.sum(jnp.where(pred, 1.0, 0.0), axis=1, keepdims=True)
+
+    # Largest threshold T (in the unsigned order of keys ^ INT32_MIN) with
+    # count(keys >= T) >= k, built from the top bit down. Working on the signed
+    # candidate directly: setting bit b of the unsigned value is XOR-ing bit b
+    # of the signed one, and the signed comparison then matches the unsigned.
+    def key_step(i, thresh):
+        trial = thresh ^ lax.shift_left(jnp.int32(1), 31 - i)
+        keep = count(valid & (keys >= trial)) >= k
+        return jnp.where(keep, trial, thresh)
+
+    thresh = lax.fori_loop(
+        0, 32, key_step, jnp.full((shape[0], 1), _INT32_MIN, jnp.int32)
+    )
+    above = valid & (keys > thresh)
+    tied = valid & (keys == thresh)
+    need = k - count(above)  # >= 1 whenever k >= 1, 0 when k == 0.
+
+    # Largest index J with count(tied & col < J) < need: the position of the
+    # need-th tied entry, so lower indices win the ties.
+    def index_step(i, last):
+        trial = last | lax.shift_left(jnp.int32(1), index_bits - 1 - i)
+        keep = count(tied & (col < trial)) < need
+        return jnp.where(keep, trial, last)
+
+    last = lax.fori_loop(
+        0, index_bits, index_step, jnp.zeros((shape[0], 1), jnp.int32)
+    )
+    selected = above | (tied & (col <= last) & (need > 0.0))
+    out_ref[...] = selected.astype(jnp.int32)
+
+
+def _topk_mask_pallas(scores, k, *, interpret, block_rows, backend):
+    """Radix-select top-k mask with Pallas.
+
+    Args:
+      scores: float32 ``[R, N]``.
+      k: int32 ``[R]``, already clipped to ``[0, N]``.
+      interpret: run the kernel in the Pallas interpreter (any backend).
+      block_rows: rows per grid step, a positive multiple of 8.
+      backend: ``"tpu"`` (Mosaic) or ``"gpu"`` (Triton); selects the compiler
+        params. Ignored when ``interpret`` is true.
+
+    Returns:
+      bool ``[R, N]``.
+    """
+    rows, cols = scores.shape
+    if rows == 0 or cols == 0:
+        return jnp.zeros((rows, cols), jnp.bool_)
+    if cols >= _MAX_PALLAS_COLUMNS:
+        raise ValueError(f"scores must have fewer than 2**24 columns, got {cols}")
+    # Triton needs power-of-two blocks; Mosaic needs lanes in multiples of 128.
+    padded_cols = max(128, 1 << (cols - 1).bit_length())
+    padded_rows = -(-rows // block_rows) * block_rows
+    scores_p = jnp.pad(scores, ((0, padded_rows - rows), (0, padded_cols - cols)))
+    k_p = jnp.pad(k.astype(jnp.int32), (0, padded_rows - rows)).reshape(padded_rows, 1)
+    if interpret:
+        compiler_params = None
+    elif backend == "tpu":
+        compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel",))
+    elif backend == "gpu":
+        compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    else:
+        raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
+    out = pl.pallas_call(
+        functools.partial(_radix_select_kernel, num_cols=cols),
+        out_shape=jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.int32),
+        grid=(padded_rows // block_rows,),
+        in_specs=[
+            pl.BlockSpec((block_rows, padded_cols), lambda i: (i, 0)),
+            pl.BlockSpec((block_rows, 1), lambda i: (i, 0)),
+        ],
+        out_specs=pl.BlockSpec((block_rows, padded_cols), lambda i: (i, 0)),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="topk_radix_select",
+    )(scores_p, k_p)
+    return out[:rows, :cols] != 0
+
+
+@functools.partial(
+    jax.jit, static_argnames=("implementation", "interpret", "block_rows", "backend")
+)
+def _topk_mask_jit(scores, k, *, implementation, interpret, block_rows, backend):
+    if implementation == "xla":
+        return _reference(scores, k)
+    return _topk_mask_pallas(
+        scores, k, interpret=interpret, block_rows=block_rows, backend=backend
+    )
+
+
+def topk_mask(scores, k, *, implementation=None, interpret=False, block_rows=8):
+    """Boolean mask of the k largest entries per row (see module docstring).
+
+    Args:
+      scores: float32 ``[R, N]``.
+      k: Python int >= 0 shared by all rows, or integer array ``[R]`` (may be
+        traced); clipped per row to ``[0, N]``.
+      implementation: ``"pallas"`` (radix-select kernel), ``"xla"`` (the
+        ``jnp`` reference) or None: ``"xla"`` on CPU, ``"pallas"`` on TPU/GPU.
+      interpret: run the Pallas kernel in interpret mode; required for
+        ``"pallas"`` on CPU. Ignored by ``"xla"``.
+      block_rows: rows per Pallas grid step, a positive multiple of 8 (and a
+        power of two on GPU).
+
+    Returns:
+      bool ``[R, N]``; row ``r`` has exactly ``clip(k[r], 0, N)`` True entries.
+
+    Raises:
+      ValueError: on malformed arguments, or ``"pallas"`` on CPU without
+        ``interpret=True``.
+    """
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if (
+        not isinstance(block_rows, numbers.Integral)
+        or isinstance(block_rows, bool)
+        or block_rows <= 0
+        or block_rows % 8
+    ):
+        raise ValueError(f"block_rows must be a positive multiple of 8, got {block_rows!r}")
+    scores, k = _validate(scores, k)
+    backend = jax.default_backend()
+    if implementation is None:
+        implementation = "pallas" if backend in ("tpu", "gpu") else "xla"
+    if implementation == "pallas" and not interpret:
+        if backend not in ("tpu", "gpu"):
+            raise ValueError(
+                f"implementation='pallas' cannot be compiled on backend {backend!r}; "
+                "pass interpret=True to run the kernel in the Pallas interpreter"
+            )
+        if backend == "gpu" and block_rows & (block_rows - 1):
+            raise ValueError(
+                f"block_rows must be a power of two on GPU (Triton), got {block_rows}"
+            )
+    return _topk_mask_jit(
+        scores,
+        k,
+        implementation=implementation,
+        interpret=bool(interpret),
+        block_rows=int(block_rows),
+        backend=None if interpret else backend,
+    )

@@ -1,0 +1,121 @@
+"""``observe``: fold the evidence of one query, or of a chunk of queries, into the memory."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+from flsmem import validate
+from flsmem.policies import Observation, Policy, SlotView
+from flsmem.state import MemoryState
+from flsmem.typing import Array, Float
+
+__all__ = ["observe", "reduce_query_heads"]
+
+
+def reduce_query_heads(
+    attention: Float[Array, "B K G *QS"], policy_or_rule: Policy | str
+) -> Float[Array, "B K *QS"]:
+    """Combine the G query heads of each GQA group into one attention row per KV head.
+
+    Args:
+      attention: ``[B, K, G, S]`` or ``[B, K, G, Q, S]`` attention probabilities.
+      policy_or_rule: a policy (its ``head_reduction``) or "mean", "sum", "max".
+
+    Returns:
+      ``[B, K, S]`` or ``[B, K, Q, S]``.
+    """
+    rule = policy_or_rule.head_reduction if isinstance(policy_or_rule, Policy) else policy_or_rule
+    if jnp.ndim(attention) not in (4, 5):
+        raise ValueError(f"attention must be [B, K, G, S] or [B, K, G, Q, S], got shape {jnp.shape(attention)}")
+    reducers = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max}
+    if rule not in reducers:
+        raise ValueError(f"head reduction rule must be one of {tuple(reducers)}, got {rule!r}")
+    return reducers[rule](attention, axis=2)
+
+
+def observe_one(
+    state: MemoryState,
+    attention: Float[Array, "B K S"],
+    correctness: Float[Array, "B"],
+    future: Float[Array, "B K S"] | None,
+) -> MemoryState:
+    """Fold one query (already validated) and advance the clock by one step."""
+    policy = state.config.policy
+    t = state.step
+    present = state.valid & (state.birth <= t[:, None, None])
+    finite_a = jnp.isfinite(attention)
+    finite_w = jnp.isfinite(correctness)
+    bad = jnp.any(present & ~finite_a, axis=(1, 2)) | ~finite_w
+    attention = jnp.where(present & finite_a, attention, 0.0)
+    correctness = jnp.where(finite_w, correctness, 0.0)
+    if future is not None:
+        future = jnp.where(present & jnp.isfinite(future), future, 0.0)
+    evidence, aux = state.evidence, state.aux
+    if policy.fold is not None:
+        view = SlotView(
+            evidence=evidence,
+            age=t[:, None, None] + 1 - state.birth,
+            birth=state.birth,
+            position=state.position,
+            present=present,
+            step=t,
+        )
+        evidence, aux = policy.fold(policy, view, Observation(attention, correctness, future), aux)
+    stats = state.stats.replace(nonfinite_inputs=state.stats.nonfinite_inputs + bad.astype(jnp.int32))
+    return state.replace(evidence=evidence, aux=aux, step=t + 1, stats=stats)
+
+
+def scan_queries(
+    state: MemoryState,
+    per_query: Callable[[MemoryState, Array, Array, Array | None], MemoryState],
+    attention: Float[Array, "B K Q S"],
+    correctness: Float[Array, "B Q"],
+    future: Float[Array, "B K Q S"] | None,
+) -> MemoryState:
+    """Apply ``per_query`` to each query of a validated chunk, in order."""
+    payload = state.payload  # no per-query step touches it: keep it out of the carry
+    carry = state.replace(payload=None)
+    xs = (
+        jnp.moveaxis(attention, 2, 0),
+        jnp.moveaxis(correctness, 1, 0),
+        None if future is None else jnp.moveaxis(future, 2, 0),
+    )
+    if attention.shape[2] == 1:
+        carry = per_query(carry, *(None if x is None else x[0] for x in xs))
+    else:
+        carry, _ = lax.scan(lambda c, x: (per_query(c, *x), None), carry, xs)
+    return carry.replace(payload=payload)
+
+
+def observe(
+    state: MemoryState,
+    attention: Float[Array, "B K S"] | Float[Array, "B K Q S"],
+    correctness: Float[Array, "B"] | Float[Array, "B Q"] | None = None,
+    future: Float[Array, "B K S"] | Float[Array, "B K Q S"] | None = None,
+) -> MemoryState:
+    """Fold one query's attention (or a chunk of Q queries') into the slots' evidence.
+
+    Query q of a chunk is the memory's step ``step + q``; it sees the slots that are
+    occupied and have arrived by then (``birth <= step + q``) and attention to any
+    other slot is ignored. NaN or Inf attention or correctness is taken as no evidence
+    (0) and counted in ``stats.nonfinite_inputs``. The clock advances by Q. No item is
+    evicted here: to interleave eviction query by query, use :func:`flsmem.update`.
+
+    Args:
+      state: the memory.
+      attention: ``[B, K, S]`` or ``[B, K, Q, S]`` attention each query gave each slot,
+        query heads already reduced (:func:`reduce_query_heads`).
+      correctness: ``[B]`` or ``[B, Q]`` weight in [0, 1] of each query's prediction
+        (1 if None): teacher-forced correctness, or a serving proxy such as the
+        probability of the emitted token.
+      future: shaped like ``attention``, each slot's future utility; required by the
+        oracle policy, ignored by the others.
+
+    Returns:
+      The memory with evidence folded and the clock advanced.
+    """
+    attention, correctness, future, _ = validate.observe_args(state, attention, correctness, future)
+    return scan_queries(state, observe_one, attention, correctness, future)

@@ -1,0 +1,196 @@
+"""The memory state: an immutable pytree of fixed-shape arrays, and ``init``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from flsmem.config import MemoryConfig
+from flsmem.typing import Array, Bool, Float, Int, PyTree
+
+__all__ = ["MemoryState", "MemoryStats", "init", "present", "visible", "age", "occupancy", "summary"]
+
+
+@struct.dataclass
+class MemoryStats:
+    """Running counters for monitoring, per batch row (summed over KV heads).
+
+    Attributes:
+      evictions: ``[B]`` int32, items evicted.
+      evicted_age: ``[B]`` float32, sum of the ages of evicted items.
+      evicted_score: ``[B]`` float32, sum of the committed scores of evicted items.
+      fallbacks: ``[B]`` int32, slots whose score was not finite when committed; they
+        were ranked by recency below every finite score.
+      forced_writes: ``[B]`` int32, writes that found no free slot and replaced the
+        lowest-priority item (the schedule was not followed).
+      nonfinite_inputs: ``[B]`` int32, queries whose attention or correctness had NaN
+        or Inf entries; those entries were taken as no evidence.
+    """
+
+    evictions: Int[Array, "B"]
+    evicted_age: Float[Array, "B"]
+    evicted_score: Float[Array, "B"]
+    fallbacks: Int[Array, "B"]
+    forced_writes: Int[Array, "B"]
+    nonfinite_inputs: Int[Array, "B"]
+
+    @classmethod
+    def zeros(cls, batch: int) -> "MemoryStats":
+        i = jnp.zeros((batch,), jnp.int32)
+        f = jnp.zeros((batch,), jnp.float32)
+        return cls(i, f, f, i, i, i)
+
+
+@struct.dataclass
+class MemoryState:
+    """Memory of every (batch, KV head) row, as fixed-shape arrays.
+
+    Attributes:
+      payload: pytree of ``[B, K, S, ...]`` arrays, what each slot holds (for a KV
+        cache ``{"k": [B, K, S, D], "v": [B, K, S, D]}``).
+      position: ``[B, K, S]`` int32, absolute position of the item; -1 when free.
+      valid: ``[B, K, S]`` bool, the slot is occupied.
+      birth: ``[B, K, S]`` int32, step (query index) at which the item arrived.
+      evidence: ``[B, K, S, E]`` float32, the policy's per-slot statistics.
+      score: ``[B, K, S]`` float32, committed score used by ``evict``.
+      step: ``[B]`` int32, queries observed so far (an array, so nothing retraces).
+      aux: the policy's per-row state (a pytree of ``[B, K, ...]`` arrays) or None.
+      stats: :class:`MemoryStats`.
+      config: the static :class:`~flsmem.config.MemoryConfig` (not a pytree leaf).
+    """
+
+    payload: PyTree
+    position: Int[Array, "B K S"]
+    valid: Bool[Array, "B K S"]
+    birth: Int[Array, "B K S"]
+    evidence: Float[Array, "B K S E"]
+    score: Float[Array, "B K S"]
+    step: Int[Array, "B"]
+    aux: PyTree
+    stats: MemoryStats
+    config: MemoryConfig = struct.field(pytree_node=False)
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.valid.shape[1]
+
+    @property
+    def slots(self) -> int:
+        return self.valid.shape[2]
+
+
+def _as_spec(leaf: Any, dtype) -> jax.ShapeDtypeStruct:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if isinstance(leaf, tuple) and all(isinstance(d, int) and d >= 1 for d in leaf):
+        return jax.ShapeDtypeStruct(leaf, dtype)
+    raise ValueError(
+        "payload_spec leaves must be jax.ShapeDtypeStruct or tuples of positive ints "
+        f"(the trailing shape of one item), got {leaf!r}"
+    )
+
+
+def init(
+    config: MemoryConfig,
+    batch: int,
+    kv_heads: int,
+    payload_spec: PyTree,
+    dtype=jnp.float32,
+) -> MemoryState:
+    """An empty memory.
+
+    Args:
+      config: the :class:`~flsmem.config.MemoryConfig`.
+      batch: B, independent sequences.
+      kv_heads: K, rows per sequence (1 for a memory that is not per head).
+      payload_spec: pytree whose leaves give one item's trailing shape, as
+        ``jax.ShapeDtypeStruct`` or a tuple of ints (then of ``dtype``); for a KV cache
+        ``{"k": (D,), "v": (D,)}``; ``()`` for a scalar per item.
+      dtype: dtype of leaves given as plain shapes.
+
+    Returns:
+      A :class:`MemoryState` with ``config.capacity`` free slots per row.
+    """
+    if not isinstance(config, MemoryConfig):
+        raise ValueError(f"config must be a MemoryConfig, got {type(config).__name__}")
+    for name, value in (("batch", batch), ("kv_heads", kv_heads)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    specs = jax.tree.map(
+        lambda leaf: _as_spec(leaf, dtype), payload_spec,
+        is_leaf=lambda x: isinstance(x, (tuple, jax.ShapeDtypeStruct)),
+    )
+    if not jax.tree.leaves(specs):
+        raise ValueError("payload_spec must have at least one leaf")
+    s = config.capacity
+    rows = (batch, kv_heads, s)
+    payload = jax.tree.map(lambda sp: jnp.zeros(rows + tuple(sp.shape), sp.dtype), specs)
+    policy = config.policy
+    aux = None if policy.init_aux is None else policy.init_aux(policy, batch, kv_heads)
+    return MemoryState(
+        payload=payload,
+        position=jnp.full(rows, -1, jnp.int32),
+        valid=jnp.zeros(rows, jnp.bool_),
+        birth=jnp.zeros(rows, jnp.int32),
+        evidence=jnp.zeros(rows + (policy.num_evidence,), jnp.float32),
+        score=jnp.zeros(rows, jnp.float32),
+        step=jnp.zeros((batch,), jnp.int32),
+        aux=aux,
+        stats=MemoryStats.zeros(batch),
+        config=config,
+    )
+
+
+def present(state: MemoryState) -> Bool[Array, "B K S"]:
+    """Occupied slots whose item has arrived (a chunk's items arrive one per query)."""
+    return state.valid & (state.birth < state.step[:, None, None])
+
+
+def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K *Q S"]:
+    """The slots the next query (or each of the next ``queries``) may attend.
+
+    Use it as the attention mask after ``write``: query q of a chunk sees the items
+    that arrived up to its own step, ``birth <= step + q``.
+
+    Returns:
+      ``[B, K, S]`` for ``queries=None``, else ``[B, K, Q, S]``.
+    """
+    if queries is None:
+        return state.valid & (state.birth <= state.step[:, None, None])
+    if not (isinstance(queries, int) and queries >= 1):
+        raise ValueError(f"queries must be an int >= 1 or None, got {queries!r}")
+    t = state.step[:, None, None, None] + jnp.arange(queries, dtype=jnp.int32)[None, None, :, None]
+    return state.valid[:, :, None, :] & (state.birth[:, :, None, :] <= t)
+
+
+def age(state: MemoryState) -> Int[Array, "B K S"]:
+    """Queries each slot has seen: 1 right after the query of its arrival step."""
+    return state.step[:, None, None] - state.birth
+
+
+def occupancy(state: MemoryState) -> Int[Array, "B K"]:
+    """Items held per row (including written items whose query is still to come)."""
+    return jnp.sum(state.valid, axis=-1, dtype=jnp.int32)
+
+
+def summary(state: MemoryState) -> dict[str, Array]:
+    """Monitoring figures per batch row: counters and mean age/score of evicted items."""
+    s = state.stats
+    n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
+    return {
+        "step": state.step,
+        "occupancy": jnp.sum(state.valid, axis=(1, 2), dtype=jnp.int32),
+        "evictions": s.evictions,
+        "mean_evicted_age": jnp.where(s.evictions > 0, s.evicted_age / n, jnp.nan),
+        "mean_evicted_score": jnp.where(s.evictions > 0, s.evicted_score / n, jnp.nan),
+        "fallbacks": s.fallbacks,
+        "forced_writes": s.forced_writes,
+        "nonfinite_inputs": s.nonfinite_inputs,
+    }

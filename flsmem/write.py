@@ -1,0 +1,77 @@
+"""``write``: put new items into free slots."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from flsmem import validate
+from flsmem.evict import priority
+from flsmem.state import MemoryState
+from flsmem.typing import Array, Bool, Int, PyTree
+
+__all__ = ["write"]
+
+
+def write(
+    state: MemoryState,
+    payload: PyTree,
+    position: Int[Array, "B"] | Int[Array, "B Q"],
+    mask: Bool[Array, "B"] | Bool[Array, "B Q"] | None = None,
+) -> MemoryState:
+    """Write one item, or a chunk of Q items, into every row of the memory.
+
+    Item j of a chunk arrives with query ``step + j``: it is stamped
+    ``birth = step + j`` and becomes *present* when ``observe`` reaches that query, so a
+    chunk written at once is scored exactly as if it had been written one item per step.
+    Items go to the lowest free slots. A row with no free slot (``evict`` was not run
+    on schedule) replaces its lowest-priority unprotected item and counts it in
+    ``stats.forced_writes``.
+
+    Args:
+      state: the memory.
+      payload: pytree like the memory's payload, leaves ``[B, K, ...item]`` for one item
+        or ``[B, K, Q, ...item]`` for a chunk (Q <= ``config.max_chunk``).
+      position: ``[B]`` or ``[B, Q]`` int, absolute position of each item (shared by
+        the K heads of a sequence).
+      mask: ``[B]`` or ``[B, Q]`` bool, False for padding that must not be written.
+
+    Returns:
+      The memory with the items written.
+    """
+    payload, position, mask, q = validate.write_args(state, payload, position, mask)
+    b, k, s = state.valid.shape
+    birth = state.step[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
+
+    # Free slots first (lowest index first), then the lowest-priority occupied ones.
+    occupied_rank = -priority(state)
+    preference = jnp.where(state.valid, occupied_rank, jnp.inf)
+    _, target = lax.top_k(preference, q)  # [B, K, Q]
+    forced = jnp.take_along_axis(state.valid, target, axis=-1) & mask[:, None, :]
+    target = jnp.where(mask[:, None, :], target, s)  # out of range: dropped below
+
+    bi = jnp.arange(b)[:, None, None]
+    ki = jnp.arange(k)[None, :, None]
+
+    def put(dest, new):
+        return dest.at[bi, ki, target].set(new, mode="drop")
+
+    policy = state.config.policy
+    per_head = lambda x: jnp.broadcast_to(x[:, None, :], (b, k, q))  # noqa: E731
+    if policy.init_evidence is None:
+        new_evidence = jnp.zeros((b, k, q, policy.num_evidence), jnp.float32)
+    else:
+        new_evidence = policy.init_evidence(policy, payload, per_head(position), per_head(birth))
+    stats = state.stats.replace(
+        forced_writes=state.stats.forced_writes + jnp.sum(forced, axis=(1, 2), dtype=jnp.int32)
+    )
+    return state.replace(
+        payload=jax.tree.map(put, state.payload, payload),
+        position=put(state.position, per_head(position)),
+        valid=put(state.valid, jnp.ones((b, k, q), jnp.bool_)),
+        birth=put(state.birth, per_head(birth)),
+        evidence=put(state.evidence, new_evidence),
+        score=put(state.score, jnp.zeros((b, k, q), jnp.float32)),
+        stats=stats,
+    )

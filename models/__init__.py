@@ -1,0 +1,1 @@
+"""Model code: a Llama-style Flax decoder whose KV cache is a flsmem memory (to come)."""

@@ -1,0 +1,227 @@
+"""Hand-computed cases: a few steps of attention worked out on paper, kept sets asserted.
+
+Every case streams one item per step through one row (batch 1, one KV head). Query t
+gives ``TABLE[t][p]`` to the item at position p (rows need not sum to one: only the
+values matter to the rules). The arithmetic behind each expectation is in the comments.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flsmem
+from flsmem import policies as P
+from flsmem import testing
+
+# One compile per config instead of op-by-op dispatch.
+write = jax.jit(flsmem.write)
+update = jax.jit(flsmem.update)
+
+TABLE = [
+    [1.0, 0.0, 0.0, 0.0],
+    [0.6, 0.4, 0.0, 0.0],
+    [0.5, 0.2, 0.3, 0.0],
+    [0.1, 0.15, 0.3, 0.45],
+]
+
+
+def run(policy, budget=2, table=TABLE, correctness=None, keys=None, evict_every=1):
+    """Kept position sets after steps 2 and 3 (the steps where eviction happens)."""
+    config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=evict_every)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    tab = jnp.asarray(table, jnp.float32)[None, None]
+    kept = []
+    for t in range(len(table)):
+        key = jnp.zeros((1, 1, testing.HEAD_DIM)) if keys is None else jnp.asarray(keys[t])
+        state = write(state, {"k": key, "v": key}, jnp.array([t]))
+        w = None if correctness is None else jnp.array([correctness[t]], jnp.float32)
+        state = update(state, testing.gather_attention(tab, state)[:, :, 0], w)
+        kept.append(testing.kept_positions(state)[0][0])
+    return kept[2:], state
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        # Keep the newest two.
+        (P.window(), [{1, 2}, {2, 3}]),
+        # Position 0 is a sink; the newest fills the rest.
+        (P.streaming_llm(sinks=1), [{0, 2}, {0, 3}]),
+        # Sums at step 2: p0 1+.6+.5=2.1, p1 .4+.2=.6, p2 .3 -> drop p2.
+        # Step 3 (p0, p1, p3 present): p0 2.2, p1 .75, p3 .45 -> drop p3.
+        (P.h2o(), [{0, 1}, {0, 1}]),
+        # The newest item is protected: step 2 keeps p2 and p0 (2.1 > .6);
+        # step 3 keeps p3 and p0 (2.2 > p2's .6).
+        (P.h2o(recent=1), [{0, 2}, {0, 3}]),
+        # Current attention only: step 2 .5/.2/.3 -> drop p1; step 3 .1/.3/.45 -> drop p0.
+        (P.tova(), [{0, 2}, {2, 3}]),
+        # e <- .5 e + a. Step 2: p0 1.05, p1 .4, p2 .3 -> drop p2.
+        # Step 3: p0 .625, p1 .35, p3 .45 -> drop p1.
+        (P.ema(0.5), [{0, 1}, {0, 3}]),
+        # Average attention is 1/n. Unimportant steps over the last two queries:
+        # step 2 (n=3): p0 0, p1 2 (.4 < 1/2, .2 < 1/3), p2 1 -> drop p1.
+        # Step 3 (n=3): p0 1 (.1), p2 2 (.3 and .3 < 1/3), p3 0 -> drop p2.
+        (P.scissorhands(history=2), [{0, 2}, {0, 3}]),
+        # Age-normalised sums, score / (age + 1). Step 2: p0 2.1/4, p1 .6/3, p2 .3/2
+        # -> drop p2. Step 3: p0 2.2/5 = .44, p1 .75/4 = .19, p3 .45/2 = .225 -> drop p1.
+        (P.h2o().replace(normalise_by_age=True), [{0, 1}, {0, 3}]),
+        # Preset (a), H=1, gamma=.5: add .5^(2-age) a while age <= 2, then freeze.
+        # p0: .5*1 + .6 = 1.1 then frozen; p1: .5*.4 + .2 = .4; p2 protected at step 2.
+        # Step 2 keeps p2 and p0 (1.1 > .4). Step 3: p2 .15 + .3 = .45 < p0 1.1; p3 protected.
+        (P.lag_window(lag=1, gamma=0.5, decay_after=1.0, weighted=False), [{0, 2}, {0, 3}]),
+        # Same, but committed scores shrink by .1 each query: p0 1.1 -> .11 at step 2,
+        # below p1's .4 (p1 commits at step 2, then .04 at step 3, below p2's .45).
+        (P.lag_window(lag=1, gamma=0.5, decay_after=0.1, weighted=False), [{1, 2}, {2, 3}]),
+        # Preset (b), uses are a > .25, e <- .9 e + used. Step 2: p0 2.71, p1 .9, p2 1
+        # -> drop p1. Step 3 (.1, .3, .45): p0 2.439, p2 1.9, p3 1 -> drop p3.
+        (P.use_recency(lag=0, decay=0.9, use_threshold=0.25), [{0, 2}, {0, 2}]),
+    ],
+    ids=lambda x: x.name if isinstance(x, P.Policy) else None,
+)
+def test_kept_sets(policy, expected):
+    kept, _ = run(policy)
+    assert kept == expected
+
+
+def test_rmm_weights_attention_by_correctness():
+    # w = (1, 0, 1, 1): the query at step 1 was wrong and counts for nothing.
+    # DU at step 2: p0 1 + .5 = 1.5, p1 .2, p2 .3 -> drop p1 (H2O would drop p2).
+    # Step 3: p0 1.6, p2 .6, p3 .45 -> drop p3.
+    w = [1.0, 0.0, 1.0, 1.0]
+    assert run(P.rmm(lag=0), correctness=w)[0] == [{0, 2}, {0, 2}]
+    # Lag 1 protects the newest: step 2 keeps p2 and p0; step 3 keeps p3 and p0 (1.6 > .6).
+    assert run(P.rmm(lag=1), correctness=w)[0] == [{0, 2}, {0, 3}]
+
+
+def test_kalman_running_mean_and_gain():
+    table = [row[:] for row in TABLE]
+    table[2][2] = 0.35
+    # q = 0 is the running mean: step 2 p0 .7, p1 .3, p2 .35 -> drop p1;
+    # step 3: p0 .55, p2 .325, p3 .45 -> drop p2.
+    kept, state = run(P.kalman(q=0.0, r=1.0), table=table)
+    assert kept == [{0, 2}, {0, 3}]
+    scores = {int(p): float(s) for p, s, v in zip(state.position[0, 0], state.score[0, 0], state.valid[0, 0]) if v}
+    assert scores == pytest.approx({0: 0.55, 3: 0.45}, rel=1e-6)
+    # q = r = 1, p0 after two queries: m = 1, P = 1; predict P = 2, gain 2/3,
+    # m = 1 + 2/3 (.6 - 1) = .7333.
+    config = flsmem.MemoryConfig(policy=P.kalman(q=1.0, r=1.0), budget=4)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    for t, a in enumerate([1.0, 0.6]):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        att = jnp.zeros((1, 1, state.slots)).at[0, 0, 0].set(a)
+        state = flsmem.smooth(flsmem.observe(state, att))
+    assert float(state.score[0, 0, 0]) == pytest.approx(1 + 2 / 3 * (0.6 - 1), rel=1e-6)
+
+
+def test_oracle_keeps_what_the_future_uses():
+    # Future attention after query 2: p0 .1, p1 .15, p2 .3 -> keep p1, p2.
+    tab = jnp.asarray(TABLE)[None, None]
+    fut = testing.future_table(tab)
+    config = flsmem.MemoryConfig(policy=P.oracle(), budget=2)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    for t in range(3):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        att = testing.gather_attention(tab, state)[:, :, 0]
+        state = update(state, att, future=testing.gather_attention(fut, state)[:, :, 0])
+    assert testing.kept_positions(state)[0][0] == {1, 2}
+
+
+def test_key_norm_keeps_small_keys():
+    # Key norms by position: 3, 1, 2, .5. Step 2 keeps p1, p2; step 3 keeps p1, p3.
+    norms = [3.0, 1.0, 2.0, 0.5]
+    keys = [jnp.array([[[n, 0.0, 0.0, 0.0]]]) for n in norms]
+    assert run(P.key_norm(), keys=keys)[0] == [{1, 2}, {1, 3}]
+
+
+def test_snapkv_pools_window_votes_at_prefill():
+    # Prefill five items, observation window = the last two queries (3 and 4).
+    # Votes: p0 .05+.45=.5, p1 .3, p2 .26+.05=.31, p3 .39+.1=.49, p4 .4.
+    # p3, p4 are the window (protected); one more slot for p0, p1, p2.
+    table = jnp.array([
+        [1.0, 0, 0, 0, 0],
+        [0.5, 0.5, 0, 0, 0],
+        [0.3, 0.3, 0.4, 0, 0],
+        [0.05, 0.30, 0.26, 0.39, 0],
+        [0.45, 0.0, 0.05, 0.10, 0.40],
+    ])[None, None]
+
+    def prefill(policy):
+        config = flsmem.MemoryConfig(policy=policy, budget=5, max_chunk=5)
+        state = testing.tiny_memory(config, batch=1, kv_heads=1)
+        kv = jnp.zeros((1, 1, 5, 4))
+        state = write(state, {"k": kv, "v": kv}, jnp.arange(5)[None])
+        state = flsmem.smooth(flsmem.observe(state, testing.gather_attention(table, state, 5)))
+        return testing.kept_positions(flsmem.evict(state, budget=3))[0][0]
+
+    # Raw votes: p0 (.5) wins.
+    assert prefill(P.snapkv(window=2, kernel_size=1)) == {0, 3, 4}
+    # Average pool of three neighbours (zero padded): p0 (0+.5+.3)/3 = .267,
+    # p1 (.5+.3+.31)/3 = .37, p2 (.3+.31+.49)/3 = .367 -> p1 wins.
+    assert prefill(P.snapkv(window=2, kernel_size=3)) == {1, 3, 4}
+
+
+def test_random_is_seeded_and_reproducible():
+    def kept(seed):
+        config = flsmem.MemoryConfig(policy=P.random(seed), budget=3)
+        state = testing.tiny_memory(config, batch=1, kv_heads=1)
+        for t in range(12):
+            state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+            state = update(state, jnp.zeros((1, 1, state.slots)))
+        return testing.kept_positions(state)[0][0]
+
+    assert kept(0) == kept(0)
+    assert len(kept(0)) == 3
+    assert len({frozenset(kept(s)) for s in range(6)}) > 1
+
+
+def test_full_never_evicts():
+    kept, state = run(P.full(), budget=4)
+    assert kept == [{0, 1, 2}, {0, 1, 2, 3}]
+    assert testing.kept_positions(flsmem.evict(state, budget=1))[0][0] == {0, 1, 2, 3}
+    assert int(state.stats.evictions[0]) == 0
+
+
+def test_sinks_and_lag_count_inside_budget():
+    # sinks 1 + lag 2 = 3 protected of a budget of 3: only the sink and the two newest stay.
+    policy = P.rmm(lag=2).replace(sinks=1)
+    table = np.tril(np.full((6, 6), 0.5)).tolist()
+    config = flsmem.MemoryConfig(policy=policy, budget=3)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    tab = jnp.asarray(table)[None, None]
+    for t in range(6):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        state = update(state, testing.gather_attention(tab, state)[:, :, 0])
+    assert testing.kept_positions(state)[0][0] == {0, 4, 5}
+
+
+def test_evict_every_batches_evictions():
+    # evict_every=2: the row grows to budget + 2 before it is cut back to the budget.
+    sizes = []
+    config = flsmem.MemoryConfig(policy=P.h2o(), budget=2, evict_every=2)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    for t in range(7):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        state = update(state, jnp.full((1, 1, state.slots), 0.1))
+        sizes.append(int(flsmem.occupancy(state)[0, 0]))
+    assert sizes == [1, 2, 3, 2, 3, 2, 3]
+
+
+def test_nonfinite_score_falls_back_and_is_counted():
+    # A score that is not finite ranks below every finite one and is counted.
+    config = flsmem.MemoryConfig(policy=P.key_norm(), budget=2)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    keys = [1.0, jnp.inf, 2.0]
+    for t, n in enumerate(keys):
+        key = jnp.array([[[n, 0.0, 0.0, 0.0]]])
+        state = write(state, {"k": key, "v": key}, jnp.array([t]))
+        state = update(state, jnp.zeros((1, 1, state.slots)))
+    assert testing.kept_positions(state)[0][0] == {0, 2}
+    assert int(state.stats.fallbacks[0]) >= 1
+
+
+def test_kalman_steady_state_gain_limits():
+    gain = P.kalman_steady_state_gain(jnp.array([0.0, 1.0, 1e6]))
+    assert float(gain[0]) == 0.0
+    assert float(gain[1]) == pytest.approx((-1 + 5**0.5) / 2, rel=1e-6)
+    assert float(gain[2]) == pytest.approx(1.0, abs=1e-5)

@@ -1,0 +1,26 @@
+"""The README stays true: its usage example runs as printed, and CI runs its test command."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_usage_example_runs_as_printed(tmp_path):
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert blocks, "README has no python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "evictions" in out.stdout
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = re.search(r"```bash\n(.*?)```", README, flags=re.S).group(1).strip().splitlines()
+    assert len(commands) == 2
+    assert "flsmem demo" in commands[0]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()

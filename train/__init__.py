@@ -1,0 +1,1 @@
+"""Training scripts (to come)."""
