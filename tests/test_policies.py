@@ -161,6 +161,49 @@ def test_snapkv_pools_window_votes_at_prefill():
     assert prefill(P.snapkv(window=2, kernel_size=3)) == {1, 3, 4}
 
 
+def _lowbias32(x):
+    x = np.uint32(x)
+    x ^= x >> np.uint32(16)
+    x = np.uint32((int(x) * 0x7FEB352D) & 0xFFFFFFFF)
+    x ^= x >> np.uint32(15)
+    x = np.uint32((int(x) * 0x846CA68B) & 0xFFFFFFFF)
+    return x ^ (x >> np.uint32(16))
+
+
+def test_random_keeps_the_top_hashed_scores():
+    # The documented score of the item at position p in row 0 is
+    # hash(hash(seed ^ hash(0)) ^ p) / 2^32; evicting the lowest every step leaves
+    # the `budget` highest scores of the whole stream.
+    seed, steps, budget = 5, 12, 3
+    scores = {p: int(_lowbias32(_lowbias32(seed ^ int(_lowbias32(0))) ^ p)) >> 8 for p in range(steps)}
+    expected = set(sorted(scores, key=scores.get)[-budget:])
+    config = flsmem.MemoryConfig(policy=P.random(seed), budget=budget)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+    for t in range(steps):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        state = update(state, jnp.zeros((1, 1, state.slots)))
+    assert testing.kept_positions(state)[0][0] == expected
+
+
+def test_adaptive_kalman_estimates_the_noise():
+    # 64 slots whose attention is a random walk (q) observed with noise (r): the
+    # per-row estimates approach the true q and r.
+    q, r, slots, steps = 1e-3, 4e-3, 64, 600
+    key_walk, key_noise = jax.random.split(jax.random.key(0))
+    walk = 0.5 + jnp.cumsum(jnp.sqrt(q) * jax.random.normal(key_walk, (steps, slots)), axis=0)
+    z = walk + jnp.sqrt(r) * jax.random.normal(key_noise, (steps, slots))
+    config = flsmem.MemoryConfig(policy=P.kalman(q=0.1, r=0.1, adaptive=True, beta=0.02),
+                                 budget=slots, max_chunk=slots)
+    state = flsmem.init(config, 1, 1, {"v": ()})
+    state = flsmem.write(state, {"v": jnp.zeros((1, 1, slots))}, jnp.arange(slots)[None])
+    pad = jnp.zeros((steps, config.capacity - slots))
+    state = jax.jit(flsmem.observe)(state, jnp.concatenate([z, pad], axis=1)[None, None])
+    c0, c1 = state.aux[0, 0]
+    r_hat, q_hat = -c1, c0 + 2 * c1
+    assert float(r_hat) == pytest.approx(r, rel=0.25)
+    assert float(q_hat) == pytest.approx(q, rel=0.5)
+
+
 def test_random_is_seeded_and_reproducible():
     def kept(seed):
         config = flsmem.MemoryConfig(policy=P.random(seed), budget=3)
