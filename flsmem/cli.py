@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Sequence
 
 __all__ = ["main"]
@@ -30,6 +31,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", default="flsmem-demo.png", help="PNG path ('' for none)")
     demo.add_argument("--json", default=None, help="also write the rows as JSON here")
+    evaluate = commands.add_parser(
+        "eval", help="every policy on held-out text with a decoder; print a table and write a plot"
+    )
+    # The harness ships with the repository, beside the core library, which never needs it.
+    add_arguments = None
+    if importlib.util.find_spec("harness") is not None:
+        from harness.report import add_arguments
+
+        add_arguments(evaluate)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -37,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.steps < 2 or args.streams < 1:
             parser.error("--steps must be >= 2 and --streams >= 1")
         run_demo(args.budgets, args.steps, args.streams, args.seed, args.plot or None, args.json)
+    elif args.command == "eval":
+        if add_arguments is None:
+            parser.error("flsmem eval needs the harness and models packages of the flsmem repository")
+        from harness.report import run
+
+        run(args)
 
 
 if __name__ == "__main__":

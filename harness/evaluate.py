@@ -1,0 +1,284 @@
+"""Streaming teacher-forced evaluation of eviction policies on a decoder.
+
+Every policy runs the same windows of held-out text with the same model, side by side.
+A window of ``context + 1`` tokens is fed in chunks of ``evict_every`` tokens: the
+decoder writes each chunk into its per-layer memories, predicts every token of the chunk,
+and then ``flsmem.update`` folds each query's attention (weighted by how correct its
+prediction was) and evicts when the memory reaches ``budget + evict_every``. With
+budgets that are multiples of the chunk, this is exactly what per-token decode with the
+same ``evict_every`` computes.
+
+Two protocols:
+
+* ``stream``: the whole window is streamed under the budget (a long generation);
+* ``prefill``: the first ``prefill_fraction`` of the window is prefilled with the full
+  cache, compressed once to the budget (``flsmem.evict(state, budget=...)``), and the
+  rest is scored with the compressed cache plus its own new tokens, the way kvpress
+  evaluates compression.
+
+The oracle scores each slot by the attention it will receive from later queries in a
+full-cache run of the same window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import flsmem
+from flsmem import policies as P
+from models.decoder import Decoder, init_memories, update_memories
+
+__all__ = [
+    "CORRECTNESS",
+    "POLICY_NAMES",
+    "make_policy",
+    "evaluate_nll",
+    "future_attention",
+    "run_comparison",
+]
+
+LN2 = math.log(2.0)
+
+
+def _hard(logp, targets):
+    return (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)
+
+
+def _soft(logp, targets):
+    return jnp.exp(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0])
+
+
+def _confidence(logp, targets):
+    return jnp.exp(jnp.max(logp, axis=-1))
+
+
+def _certainty(logp, targets):
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return 1.0 - entropy / math.log(logp.shape[-1])
+
+
+def _ones(logp, targets):
+    return jnp.ones(targets.shape, jnp.float32)
+
+
+# Correctness weights: teacher-forced (need the target) and serving proxies (do not).
+CORRECTNESS: dict[str, Callable] = {
+    "hard": _hard,  # argmax equals the target
+    "soft": _soft,  # probability of the target
+    "confidence": _confidence,  # maximum probability (= the greedy emitted token's)
+    "certainty": _certainty,  # 1 - entropy / log V
+    "none": _ones,
+}
+
+POLICY_NAMES = (
+    "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
+    "key_norm", "random", "ema", "rmm", "kalman", "lag_window", "use_recency",
+)
+
+
+def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
+    """The policy ``name`` with protection scaled to the budget.
+
+    Accumulating policies keep a recent window of half the budget, as H2O's paper does;
+    ``rmm`` gets the same window so that its only difference from ``h2o`` is the
+    correctness weighting; lags are capped at half the budget.
+    """
+    half = budget // 2
+    lag = min(lag, half)
+    table = {
+        "full": P.full,
+        "oracle": P.oracle,
+        "streaming_llm": lambda: P.streaming_llm(sinks=min(4, budget)),
+        "window": P.window,
+        "h2o": lambda: P.h2o(recent=half),
+        "tova": P.tova,
+        "scissorhands": lambda: P.scissorhands(history=32, recent=half),
+        "snapkv": lambda: P.snapkv(window=max(1, min(32, half))),
+        "key_norm": P.key_norm,
+        "random": P.random,
+        "ema": lambda: P.ema(0.9, recent=half),
+        "rmm": lambda: P.rmm(lag=lag, recent=half),
+        "kalman": lambda: P.kalman(q=0.01, r=1.0, adaptive=True, recent=half),
+        "lag_window": lambda: P.lag_window(lag=lag),
+        "use_recency": lambda: P.use_recency(lag=lag),
+    }
+    if name not in table:
+        raise ValueError(f"policy must be one of {POLICY_NAMES}, got {name!r}")
+    return table[name]()
+
+
+def _split(model: Decoder):
+    graphdef, params = nnx.split(model)
+    return graphdef, params
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "chunk", "correctness", "prefill", "collect"))
+def _run(graphdef, params, windows, futures, *, config, chunk, correctness, prefill, collect):
+    """Per-token NLL ``[W, T]`` of a window batch (and the attention, if collected)."""
+    model = nnx.merge(graphdef, params)
+    w, length = windows.shape
+    steps = length - 1
+    inputs, targets = windows[:, :-1], windows[:, 1:]
+    memories = init_memories(model.cfg, config, w)
+    weigh = CORRECTNESS[correctness]
+    nll_parts = []
+
+    def gather_future(memories, t0, q):
+        if futures is None:
+            return None
+        out = []
+        for f, m in zip(futures, memories):
+            rows = jax.lax.dynamic_slice_in_dim(f, t0, q, axis=2)  # [W, K, q, T]
+            pos = jnp.clip(m.position, 0, steps - 1)[:, :, None, :]
+            pos = jnp.broadcast_to(pos, rows.shape[:3] + pos.shape[-1:])
+            out.append(jnp.where(m.valid[:, :, None, :], jnp.take_along_axis(rows, pos, axis=-1), 0.0))
+        return out
+
+    def forward(memories, t0, q):
+        tokens = jax.lax.dynamic_slice_in_dim(inputs, t0, q, axis=1)
+        target = jax.lax.dynamic_slice_in_dim(targets, t0, q, axis=1)
+        positions = jnp.broadcast_to(t0 + jnp.arange(q, dtype=jnp.int32)[None, :], (w, q))
+        logits, memories, attention = model(tokens, positions, memories)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
+        return memories, attention, nll, weigh(logp, target)
+
+    start = 0
+    if prefill:
+        memories, attention, nll, weight = forward(memories, 0, prefill)
+        memories = [flsmem.smooth(flsmem.observe(m, a, weight, f)) for m, a, f in
+                    zip(memories, attention, gather_future(memories, 0, prefill) or [None] * len(memories))]
+        memories = [flsmem.evict(m, budget=config.budget) for m in memories]
+        nll_parts.append(nll)
+        start = prefill
+
+    def body(memories, t0):
+        memories, attention, nll, weight = forward(memories, t0, chunk)
+        memories = update_memories(memories, attention, weight, gather_future(memories, t0, chunk))
+        return memories, (nll, attention if collect else None)
+
+    starts = jnp.arange(start, steps, chunk, dtype=jnp.int32)
+    memories, (nll, attention) = jax.lax.scan(body, memories, starts)
+    nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
+    stats = [flsmem.summary(m) for m in memories]
+    return jnp.concatenate(nll_parts, axis=1), attention, stats
+
+
+def future_attention(model: Decoder, windows: np.ndarray, chunk: int) -> list[jax.Array]:
+    """Per layer ``[W, K, T, T]``: entry ``[t, p]`` is the attention position p gets from
+    queries after t, in a full-cache run (the oracle's knowledge of the future)."""
+    steps = windows.shape[1] - 1
+    config = flsmem.MemoryConfig(policy=P.full(), budget=steps, max_chunk=chunk)
+    graphdef, params = _split(model)
+    _, attention, _ = _run(graphdef, params, jnp.asarray(windows), None, config=config, chunk=chunk,
+                           correctness="none", prefill=0, collect=True)
+    futures = []
+    for a in attention:  # [chunks, W, K, chunk, S]; the full cache keeps position p in slot p
+        a = jnp.moveaxis(a, 0, 2)
+        a = a.reshape(a.shape[0], a.shape[1], -1, a.shape[-1])[..., :steps]  # [W, K, T, T]
+        later = jnp.flip(jnp.cumsum(jnp.flip(a, axis=2), axis=2), axis=2)
+        futures.append(jnp.concatenate([later[:, :, 1:], jnp.zeros_like(later[:, :, :1])], axis=2))
+    return futures
+
+
+def evaluate_nll(
+    model: Decoder,
+    windows: np.ndarray,
+    policy: P.Policy,
+    budget: int,
+    *,
+    chunk: int = 16,
+    correctness: str = "hard",
+    prefill: int = 0,
+    futures: list[jax.Array] | None = None,
+) -> tuple[np.ndarray, list[dict]]:
+    """Per-token negative log-likelihood (nats) ``[W, T]`` of ``windows [W, T + 1]``
+    under ``policy`` at ``budget``, and each layer's memory summary."""
+    steps = windows.shape[1] - 1
+    if (steps - prefill) % chunk:
+        raise ValueError(f"the scored length ({steps - prefill}) must be a multiple of evict_every ({chunk})")
+    if correctness not in CORRECTNESS:
+        raise ValueError(f"correctness must be one of {tuple(CORRECTNESS)}, got {correctness!r}")
+    if policy.needs_future and futures is None:
+        raise ValueError("futures (from future_attention) are required by the oracle")
+    if not policy.evicts:
+        budget = steps
+    if prefill:
+        # Room for the whole prefix at once, and for the scored tokens after compression.
+        config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=steps - prefill + 1,
+                                     max_chunk=max(prefill, chunk))
+    else:
+        config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=chunk, max_chunk=chunk)
+    graphdef, params = _split(model)
+    nll, _, stats = _run(graphdef, params, jnp.asarray(windows), futures if policy.needs_future else None,
+                         config=config, chunk=chunk, correctness=correctness, prefill=prefill, collect=False)
+    return np.asarray(nll), jax.device_get(stats)
+
+
+@dataclasses.dataclass
+class Row:
+    policy: str
+    budget: int
+    nll: float
+    bits_per_byte: float
+    delta_vs_full: float = float("nan")
+    gap_closed: float = float("nan")
+
+
+def run_comparison(
+    model: Decoder,
+    windows: np.ndarray,
+    bytes_per_window: np.ndarray,
+    budgets: Sequence[int],
+    policy_names: Sequence[str] = POLICY_NAMES,
+    *,
+    chunk: int = 16,
+    correctness: str = "hard",
+    protocol: str = "stream",
+    prefill_fraction: float = 0.75,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Every policy at every budget on the same windows; full cache once."""
+    if protocol not in ("stream", "prefill"):
+        raise ValueError(f"protocol must be 'stream' or 'prefill', got {protocol!r}")
+    steps = windows.shape[1] - 1
+    prefill = 0
+    if protocol == "prefill":
+        prefill = int(round(steps * prefill_fraction / chunk)) * chunk
+        if not 0 < prefill < steps:
+            raise ValueError(f"prefill_fraction {prefill_fraction} leaves no prefix or no continuation")
+    scored = slice(prefill, steps)
+    scored_bytes = bytes_per_window[:, 1] if protocol == "prefill" else bytes_per_window[:, 0]
+    futures = future_attention(model, windows, chunk) if "oracle" in policy_names else None
+
+    def measure(name: str, budget: int) -> Row:
+        if progress:
+            progress(f"{name} @ {budget}")
+        policy = make_policy(name, budget)
+        nll, _ = evaluate_nll(model, windows, policy, budget, chunk=chunk, correctness=correctness,
+                              prefill=prefill, futures=futures)
+        nll = nll[:, scored]
+        bpb = float(nll.sum() / LN2 / scored_bytes.sum())
+        return Row(name, budget, float(nll.mean()), bpb)
+
+    full = measure("full", steps)
+    rows = [full]
+    for budget in budgets:
+        at = {name: measure(name, budget) for name in policy_names if name != "full"}
+        floor = at.get("streaming_llm")
+        ceiling = at.get("oracle")
+        for row in at.values():
+            row.delta_vs_full = row.nll - full.nll
+            if floor and ceiling and ceiling.nll < floor.nll:
+                row.gap_closed = (floor.nll - row.nll) / (floor.nll - ceiling.nll)
+            rows.append(row)
+    full.delta_vs_full = 0.0
+    return rows

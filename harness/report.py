@@ -1,0 +1,153 @@
+"""``flsmem eval``: load a model and text, run every policy, print, plot, save."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from fractions import Fraction
+
+import numpy as np
+
+__all__ = ["add_arguments", "run", "load_model", "parse_budgets"]
+
+MODELS = ("tiny", "smollm2-135m")
+
+
+def load_model(name: str):
+    """``(model, tokenizer)`` for a model name."""
+    if name == "tiny":
+        from models.tiny import load_tiny
+
+        return load_tiny()
+    if name == "smollm2-135m":
+        from models.smollm2 import load_smollm2
+
+        return load_smollm2()
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def parse_budgets(text: str, context: int) -> list[int]:
+    """Budgets as ints or fractions of the context: "1/16,1/8,1/4" or "32,64"."""
+    budgets = []
+    for part in text.split(","):
+        try:
+            value = Fraction(part.strip())
+        except ValueError:
+            raise ValueError(f"budgets must be ints or fractions like 1/8, got {part!r}") from None
+        budget = int(value * context) if value < 1 else int(value)
+        if budget < 1 or budget > context:
+            raise ValueError(f"budgets must lie in [1, context={context}], got {part!r} -> {budget}")
+        budgets.append(budget)
+    return budgets
+
+
+def make_windows(tokens: np.ndarray, context: int, count: int) -> np.ndarray:
+    """``count`` evenly spaced, non-overlapping windows of ``context + 1`` tokens."""
+    span = context + 1
+    if len(tokens) < span * count:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows x (context + 1) = {span * count}")
+    starts = np.linspace(0, len(tokens) - span, count).astype(np.int64)
+    return np.stack([tokens[s:s + span] for s in starts]).astype(np.int32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from harness.evaluate import CORRECTNESS, POLICY_NAMES
+
+    parser.add_argument("--model", default="tiny", choices=MODELS)
+    parser.add_argument("--text", default="persuasion", help="held-out book (see data/PROVENANCE.md)")
+    parser.add_argument("--context", type=int, default=512, help="tokens scored per window")
+    parser.add_argument("--budgets", default="1/16,1/8,1/4", help="ints or fractions of the context")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
+    parser.add_argument("--evict-every", type=int, default=16, help="chunk length and eviction period")
+    parser.add_argument("--windows", type=int, default=4, help="windows of the text, evaluated as a batch")
+    parser.add_argument("--correctness", default="hard", choices=tuple(CORRECTNESS))
+    parser.add_argument("--protocol", default="stream", choices=("stream", "prefill"))
+    parser.add_argument("--prefill-fraction", type=float, default=0.75)
+    parser.add_argument("--plot", default="flsmem-eval.png", help="PNG path ('' for none)")
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+
+
+def run(args: argparse.Namespace) -> list:
+    from harness.evaluate import POLICY_NAMES, run_comparison
+    from models.data import load_book
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = sorted(set(policies) - set(POLICY_NAMES))
+    if unknown:
+        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
+    if args.context % args.evict_every:
+        raise SystemExit(f"--context ({args.context}) must be a multiple of --evict-every ({args.evict_every})")
+    budgets = parse_budgets(args.budgets, args.context)
+    begin = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    tokens = tokenizer.encode(load_book(args.text))
+    windows = make_windows(tokens, args.context, args.windows)
+    prefill = int(round(args.context * args.prefill_fraction / args.evict_every)) * args.evict_every
+    byte_counts = np.array([
+        [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
+    ])
+    rows = run_comparison(
+        model, windows, byte_counts, budgets, policies, chunk=args.evict_every,
+        correctness=args.correctness, protocol=args.protocol, prefill_fraction=args.prefill_fraction,
+        progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+    )
+    elapsed = time.perf_counter() - begin
+    title = (f"{args.model} on {args.text}: {args.windows} windows x {args.context} tokens, protocol "
+             f"{args.protocol}, evict_every {args.evict_every}, correctness {args.correctness} ({elapsed:.0f} s)")
+    print(format_table(rows, budgets, title))
+    if args.plot:
+        plot(rows, budgets, args.plot, title)
+        print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({
+                "model": args.model, "text": args.text, "context": args.context, "protocol": args.protocol,
+                "evict_every": args.evict_every, "windows": args.windows, "correctness": args.correctness,
+                "rows": [vars(r) for r in rows],
+            }, f, indent=1)
+    return rows
+
+
+def format_table(rows, budgets, title: str) -> str:
+    names = list(dict.fromkeys(r.policy for r in rows if r.policy != "full"))
+    full = next(r for r in rows if r.policy == "full")
+    lines = [title, f"full cache: nll {full.nll:.4f} nats/token, {full.bits_per_byte:.4f} bits/byte", ""]
+    header = f"{'policy':<14}" + "".join(f" | B={b:<5} {'nll':>7} {'+full':>7} {'gap':>6}" for b in budgets)
+    lines += [header, "-" * len(header)]
+    for name in names:
+        cells = []
+        for b in budgets:
+            r = next((r for r in rows if r.policy == name and r.budget == b), None)
+            cells.append(" | " + " " * 8 + (f"{r.nll:>7.4f} {r.delta_vs_full:>+7.4f} {r.gap_closed:>+6.2f}" if r else " " * 22))
+        lines.append(f"{name:<14}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows, budgets, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = next(r for r in rows if r.policy == "full")
+    names = list(dict.fromkeys(r.policy for r in rows if r.policy != "full"))
+    colours = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, name in enumerate(names):
+        pts = [(r.budget, r.delta_vs_full) for r in rows if r.policy == name]
+        style = dict(color="k", linestyle="--") if name == "oracle" else dict(color=colours(i), marker="o", markersize=3)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+    ax.axhline(0.0, color="grey", linewidth=0.8, label=f"full cache ({full.nll:.3f})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_xticks(list(budgets), [str(b) for b in budgets])
+    ax.set_xlabel("budget (tokens kept per layer and KV head)")
+    ax.set_ylabel("NLL increase over full cache (nats/token)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

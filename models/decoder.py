@@ -1,0 +1,223 @@
+"""A Llama-style decoder in ``flax.nnx`` whose KV cache is a flsmem memory per layer.
+
+RMSNorm, rotary position embeddings (half-split, as in Hugging Face Llama),
+grouped-query attention and a SwiGLU MLP. One code path serves two uses:
+
+* ``model(tokens)``: plain causal self-attention over the sequence (training, and the
+  reference that the memory path must reproduce with the ``full`` policy);
+* ``model(tokens, positions, memories)``: each layer writes its new keys and values
+  into its memory, attends over the memory's visible slots, and returns the attention
+  (query heads reduced per KV head by the memory's policy) that ``flsmem.update``
+  folds in once the caller knows how correct the predictions were.
+
+The cache goes in and out explicitly: ``(tokens, memories) -> (logits, memories,
+attention)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import flsmem
+from flsmem.typing import Array, Float, Int
+
+__all__ = ["DecoderConfig", "Decoder", "TINY", "SMOLLM2_135M", "init_memories", "update_memories", "rope"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Shape of a decoder.
+
+    Attributes:
+      vocab_size: tokens in the vocabulary.
+      width: model width.
+      depth: number of blocks.
+      q_heads: query heads.
+      kv_heads: key/value heads (K); ``q_heads`` must be a multiple (G per KV head).
+      head_dim: D.
+      hidden: SwiGLU hidden width.
+      rope_theta: base of the rotary frequencies.
+      norm_eps: RMSNorm epsilon.
+      max_len: longest context trained or supported.
+      tie_embeddings: the output projection is the embedding matrix.
+    """
+
+    vocab_size: int
+    width: int
+    depth: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_len: int = 512
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        for name in ("vocab_size", "width", "depth", "q_heads", "kv_heads", "head_dim", "hidden", "max_len"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def group(self) -> int:
+        """G, query heads per KV head."""
+        return self.q_heads // self.kv_heads
+
+
+# Byte-level: trained here on CPU in minutes.
+TINY = DecoderConfig(vocab_size=256, width=128, depth=4, q_heads=4, kv_heads=2, head_dim=32,
+                     hidden=384, rope_theta=10000.0, max_len=512)
+# SmolLM2-135M(-Instruct), loaded from its GGUF file by models.smollm2.
+SMOLLM2_135M = DecoderConfig(vocab_size=49152, width=576, depth=30, q_heads=9, kv_heads=3, head_dim=64,
+                             hidden=1536, rope_theta=100000.0, max_len=8192)
+
+
+def rope(x: Float[Array, "B T *H D"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T *H D"]:
+    """Rotary embedding, half-split convention: pairs are (i, i + D/2)."""
+    d = x.shape[-1]
+    freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angle = positions.astype(jnp.float32)[..., None] * freq[None, None, :]  # [B, T, D/2]
+    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, width: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((width,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x):
+        ms = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        scale = self.scale[...].reshape((1,) * (x.ndim - 1) + (-1,))
+        return (x * jax.lax.rsqrt(ms + self.eps) * scale).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
+        self.q = linear(cfg.width, cfg.q_heads * cfg.head_dim)
+        self.k = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
+        self.v = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
+        self.o = linear(cfg.q_heads * cfg.head_dim, cfg.width)
+
+    def __call__(self, x, positions, memory: flsmem.MemoryState | None, window: int | None = None):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
+        k = rope(self.k(x).reshape(b, t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        scale = cfg.head_dim ** -0.5
+        if memory is None:
+            logits = jnp.einsum("BTKGD,BSKD->BKGTS", q, k) * scale
+            gap = positions[:, None, None, :, None] - positions[:, None, None, None, :]
+            causal = (gap >= 0) if window is None else (gap >= 0) & (gap <= window)
+            probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+            out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
+            return self.o(out.reshape(b, t, -1)), None, None
+        kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
+        memory = flsmem.write(memory, kv, positions)
+        logits = jnp.einsum("BTKGD,BKSD->BKGTS", q, memory.payload["k"]) * scale
+        visible = flsmem.visible(memory, t)[:, :, None]  # [B, K, 1, T, S]
+        probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, memory.payload["v"])
+        attention = flsmem.reduce_query_heads(probs, memory.config.policy)  # [B, K, T, S]
+        return self.o(out.reshape(b, t, -1)), memory, attention
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(cfg.width, cfg.hidden, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(cfg.width, cfg.hidden, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(cfg.hidden, cfg.width, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.width, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg.width, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, memory, window=None):
+        h, memory, attention = self.attn(self.attn_norm(x), positions, memory, window)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), memory, attention
+
+
+class Decoder(nnx.Module):
+    """The decoder. ``model(tokens)`` or ``model(tokens, positions, memories)``."""
+
+    def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.width, rngs=rngs)
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.depth)])
+        self.norm = RMSNorm(cfg.width, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nnx.Linear(cfg.width, cfg.vocab_size, use_bias=False, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"] | None = None,
+        memories: list[flsmem.MemoryState] | None = None,
+        window: int | None = None,
+    ):
+        """Logits for each token.
+
+        Args:
+          tokens: ``[B, T]`` token ids.
+          positions: ``[B, T]`` absolute positions (default ``0 .. T-1``).
+          memories: one memory per layer (:func:`init_memories`), or None for plain
+            causal attention over ``tokens``.
+          window: plain path only: each query attends to itself and the ``window``
+            positions before it (sliding-window attention).
+
+        Returns:
+          ``(logits [B, T, V], memories, attention)``; with memories, ``attention`` is
+          one ``[B, K, T, S]`` array per layer for ``flsmem.update``; else both None.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if memories is not None and len(memories) != self.cfg.depth:
+            raise ValueError(f"memories must hold one memory per layer ({self.cfg.depth}), got {len(memories)}")
+        if memories is not None and window is not None:
+            raise ValueError("window applies to the plain path; with memories, use the window policy")
+        x = self.embed(tokens)
+        new_memories, attentions = [], []
+        for i, block in enumerate(self.blocks):
+            x, memory, attention = block(x, positions, None if memories is None else memories[i], window)
+            new_memories.append(memory)
+            attentions.append(attention)
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.head is None else self.head(x)
+        if memories is None:
+            return logits.astype(jnp.float32), None, None
+        return logits.astype(jnp.float32), new_memories, attentions
+
+
+def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32) -> list[flsmem.MemoryState]:
+    """One empty KV memory per layer."""
+    spec = {"k": (cfg.head_dim,), "v": (cfg.head_dim,)}
+    return [flsmem.init(config, batch, cfg.kv_heads, spec, dtype) for _ in range(cfg.depth)]
+
+
+def update_memories(memories, attentions, correctness=None, futures=None):
+    """``flsmem.update`` for every layer (futures: one per layer, for the oracle)."""
+    futures = [None] * len(memories) if futures is None else futures
+    return [flsmem.update(m, a, correctness, f) for m, a, f in zip(memories, attentions, futures)]
