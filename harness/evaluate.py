@@ -132,15 +132,13 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
     nll_parts = []
 
     def gather_future(memories, t0, q):
+        """Rows t0 .. t0+q of the future table read at each slot's position."""
         if futures is None:
             return None
-        out = []
-        for f, m in zip(futures, memories):
-            rows = jax.lax.dynamic_slice_in_dim(f, t0, q, axis=2)  # [W, K, q, T]
-            pos = jnp.clip(m.position, 0, steps - 1)[:, :, None, :]
-            pos = jnp.broadcast_to(pos, rows.shape[:3] + pos.shape[-1:])
-            out.append(jnp.where(m.valid[:, :, None, :], jnp.take_along_axis(rows, pos, axis=-1), 0.0))
-        return out
+        rows = jax.lax.dynamic_slice_in_dim(futures, t0, q, axis=3)  # [L, W, K, q, T]
+        pos = jnp.clip(memories.position, 0, steps - 1)[:, :, :, None, :]
+        pos = jnp.broadcast_to(pos, rows.shape[:4] + pos.shape[-1:])
+        return jnp.where(memories.valid[:, :, :, None, :], jnp.take_along_axis(rows, pos, axis=-1), 0.0)
 
     def forward(memories, t0, q):
         tokens = jax.lax.dynamic_slice_in_dim(inputs, t0, q, axis=1)
@@ -154,9 +152,12 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
     start = 0
     if prefill:
         memories, attention, nll, weight = forward(memories, 0, prefill)
-        memories = [flsmem.smooth(flsmem.observe(m, a, weight, f)) for m, a, f in
-                    zip(memories, attention, gather_future(memories, 0, prefill) or [None] * len(memories))]
-        memories = [flsmem.evict(m, budget=config.budget) for m in memories]
+
+        def compress(xs):
+            memory, att, fut = xs
+            return flsmem.evict(flsmem.smooth(flsmem.observe(memory, att, weight, fut)), budget=config.budget)
+
+        memories = jax.lax.map(compress, (memories, attention, gather_future(memories, 0, prefill)))
         nll_parts.append(nll)
         start = prefill
 
@@ -168,25 +169,23 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
     starts = jnp.arange(start, steps, chunk, dtype=jnp.int32)
     memories, (nll, attention) = jax.lax.scan(body, memories, starts)
     nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
-    stats = [flsmem.summary(m) for m in memories]
+    stats = jax.vmap(flsmem.summary)(memories)
     return jnp.concatenate(nll_parts, axis=1), attention, stats
 
 
-def future_attention(model: Decoder, windows: np.ndarray, chunk: int) -> list[jax.Array]:
-    """Per layer ``[W, K, T, T]``: entry ``[t, p]`` is the attention position p gets from
-    queries after t, in a full-cache run (the oracle's knowledge of the future)."""
+def future_attention(model: Decoder, windows: np.ndarray, chunk: int) -> jax.Array:
+    """``[L, W, K, T, T]``: entry ``[t, p]`` is the attention position p gets from queries
+    after t, in a full-cache run (the oracle's knowledge of the future)."""
     steps = windows.shape[1] - 1
     config = flsmem.MemoryConfig(policy=P.full(), budget=steps, max_chunk=chunk)
     graphdef, params = _split(model)
     _, attention, _ = _run(graphdef, params, jnp.asarray(windows), None, config=config, chunk=chunk,
                            correctness="none", prefill=0, collect=True)
-    futures = []
-    for a in attention:  # [chunks, W, K, chunk, S]; the full cache keeps position p in slot p
-        a = jnp.moveaxis(a, 0, 2)
-        a = a.reshape(a.shape[0], a.shape[1], -1, a.shape[-1])[..., :steps]  # [W, K, T, T]
-        later = jnp.flip(jnp.cumsum(jnp.flip(a, axis=2), axis=2), axis=2)
-        futures.append(jnp.concatenate([later[:, :, 1:], jnp.zeros_like(later[:, :, :1])], axis=2))
-    return futures
+    # [chunks, L, W, K, chunk, S]; the full cache keeps position p in slot p.
+    a = jnp.moveaxis(attention, 0, 3)
+    a = a.reshape(a.shape[:3] + (-1, a.shape[-1]))[..., :steps]  # [L, W, K, T, T]
+    later = jnp.flip(jnp.cumsum(jnp.flip(a, axis=3), axis=3), axis=3)
+    return jnp.concatenate([later[:, :, :, 1:], jnp.zeros_like(later[:, :, :, :1])], axis=3)
 
 
 def evaluate_nll(
@@ -198,10 +197,10 @@ def evaluate_nll(
     chunk: int = 16,
     correctness: str = "hard",
     prefill: int = 0,
-    futures: list[jax.Array] | None = None,
-) -> tuple[np.ndarray, list[dict]]:
+    futures: jax.Array | None = None,
+) -> tuple[np.ndarray, dict]:
     """Per-token negative log-likelihood (nats) ``[W, T]`` of ``windows [W, T + 1]``
-    under ``policy`` at ``budget``, and each layer's memory summary."""
+    under ``policy`` at ``budget``, and the memory summary (``[L, W]`` per figure)."""
     steps = windows.shape[1] - 1
     if (steps - prefill) % chunk:
         raise ValueError(f"the scored length ({steps - prefill}) must be a multiple of evict_every ({chunk})")

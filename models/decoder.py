@@ -161,12 +161,23 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """The decoder. ``model(tokens)`` or ``model(tokens, positions, memories)``."""
+    """The decoder. ``model(tokens)`` or ``model(tokens, positions, memories)``.
+
+    The blocks are stored stacked (every parameter has a leading layer axis) and run
+    with ``lax.scan``, so one block is compiled whatever the depth; the memories of all
+    layers are one stacked :class:`flsmem.MemoryState` likewise.
+    """
 
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.width, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.depth)])
+
+        @nnx.split_rngs(splits=cfg.depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs):
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
         self.norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nnx.Linear(cfg.width, cfg.vocab_size, use_bias=False, rngs=rngs)
 
@@ -174,7 +185,7 @@ class Decoder(nnx.Module):
         self,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"] | None = None,
-        memories: list[flsmem.MemoryState] | None = None,
+        memories: flsmem.MemoryState | None = None,
         window: int | None = None,
     ):
         """Logits for each token.
@@ -182,42 +193,55 @@ class Decoder(nnx.Module):
         Args:
           tokens: ``[B, T]`` token ids.
           positions: ``[B, T]`` absolute positions (default ``0 .. T-1``).
-          memories: one memory per layer (:func:`init_memories`), or None for plain
-            causal attention over ``tokens``.
+          memories: the layers' memories stacked on a leading layer axis
+            (:func:`init_memories`), or None for plain causal attention over ``tokens``.
           window: plain path only: each query attends to itself and the ``window``
             positions before it (sliding-window attention).
 
         Returns:
           ``(logits [B, T, V], memories, attention)``; with memories, ``attention`` is
-          one ``[B, K, T, S]`` array per layer for ``flsmem.update``; else both None.
+          ``[L, B, K, T, S]`` for :func:`update_memories`; else both are None.
         """
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if memories is not None and len(memories) != self.cfg.depth:
-            raise ValueError(f"memories must hold one memory per layer ({self.cfg.depth}), got {len(memories)}")
-        if memories is not None and window is not None:
-            raise ValueError("window applies to the plain path; with memories, use the window policy")
-        x = self.embed(tokens)
-        new_memories, attentions = [], []
-        for i, block in enumerate(self.blocks):
-            x, memory, attention = block(x, positions, None if memories is None else memories[i], window)
-            new_memories.append(memory)
-            attentions.append(attention)
+        if memories is not None:
+            depth = memories.valid.shape[0] if memories.valid.ndim == 4 else None
+            if depth != self.cfg.depth:
+                raise ValueError(
+                    f"memories must be stacked over the {self.cfg.depth} layers (init_memories), "
+                    f"got valid of shape {memories.valid.shape}"
+                )
+            if window is not None:
+                raise ValueError("window applies to the plain path; with memories, use the window policy")
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x, per_layer):
+            params, memory = per_layer
+            x, memory, attention = nnx.merge(graphdef, params)(x, positions, memory, window)
+            return x, (memory, attention)
+
+        x, (memories, attention) = jax.lax.scan(layer, self.embed(tokens), (stacked, memories))
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
-        if memories is None:
-            return logits.astype(jnp.float32), None, None
-        return logits.astype(jnp.float32), new_memories, attentions
+        return logits.astype(jnp.float32), memories, attention
 
 
-def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32) -> list[flsmem.MemoryState]:
-    """One empty KV memory per layer."""
+def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32) -> flsmem.MemoryState:
+    """Empty KV memories of every layer, stacked on a leading layer axis ``[L, ...]``."""
     spec = {"k": (cfg.head_dim,), "v": (cfg.head_dim,)}
-    return [flsmem.init(config, batch, cfg.kv_heads, spec, dtype) for _ in range(cfg.depth)]
+    one = flsmem.init(config, batch, cfg.kv_heads, spec, dtype)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.depth,) + x.shape), one)
 
 
-def update_memories(memories, attentions, correctness=None, futures=None):
-    """``flsmem.update`` for every layer (futures: one per layer, for the oracle)."""
-    futures = [None] * len(memories) if futures is None else futures
-    return [flsmem.update(m, a, correctness, f) for m, a, f in zip(memories, attentions, futures)]
+def update_memories(memories, attention, correctness=None, future=None):
+    """``flsmem.update`` for every layer of stacked memories.
+
+    Args:
+      memories: stacked memories ``[L, ...]``.
+      attention: ``[L, B, K, Q, S]`` from the decoder.
+      correctness: ``[B, Q]`` (or ``[B]``), shared by the layers.
+      future: ``[L, B, K, Q, S]`` for the oracle, else None.
+    """
+    # A loop over layers (not vmap) keeps each layer's eviction a real branch.
+    return jax.lax.map(lambda xs: flsmem.update(xs[0], xs[1], correctness, xs[2]), (memories, attention, future))

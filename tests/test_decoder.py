@@ -79,4 +79,4 @@ def test_bad_decoder_arguments():
         DecoderConfig(vocab_size=8, width=8, depth=1, q_heads=2, kv_heads=2, head_dim=5, hidden=8)
     config = flsmem.MemoryConfig(policy=P.full(), budget=8)
     with pytest.raises(ValueError, match="memories"):
-        MODEL(TOKENS[:, :1], memories=init_memories(CFG, config, 2)[:1])
+        MODEL(TOKENS[:, :1], memories=flsmem.init(config, 2, CFG.kv_heads, {"k": (8,), "v": (8,)}))
