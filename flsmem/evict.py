@@ -1,4 +1,11 @@
-"""``evict``: keep the highest-priority items of each row, protected ones always."""
+"""``evict``: keep the highest-priority items of each row, protected ones always.
+
+Equal priorities go to the newer item (the higher ``birth``), and only items born at
+the same step (written without a query in between) fall back to the lower slot index.
+Births are unique among a row's items in the usual write-then-update loop, so the kept
+set does not depend on which slots the items occupy: writing a chunk at once and
+writing it one item per step keep the same items.
+"""
 
 from __future__ import annotations
 
@@ -39,9 +46,10 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
     ``config.budget``. With an explicit ``budget`` every row holding more is evicted
     down to it now (prefill compression). Protected items are always kept and count
     inside the budget; written items whose query has not come yet are kept and not
-    counted. The kept set is the top-``budget`` priority per row, ties to the lower
-    slot index, selected by :func:`flsmem.kernels.topk_mask`. Evictions, with the age
-    and score of what was evicted, are added to ``stats``.
+    counted. The kept set is the top-``budget`` priority per row, ties to the newer
+    item (higher ``birth``, whatever the slots), selected by
+    :func:`flsmem.kernels.topk_mask`. Evictions, with the age and score of what was
+    evicted, are added to ``stats``.
 
     Args:
       state: the memory, after ``smooth``.
@@ -74,6 +82,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         keep = topk_mask(
             priority(state).reshape(b * k, s),
             (target + n_waiting).reshape(b * k),
+            tiebreak=state.birth.reshape(b * k, s),
             implementation=config.implementation,
             interpret=config.interpret,
         ).reshape(b, k, s)

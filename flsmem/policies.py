@@ -521,8 +521,10 @@ def snapkv(window: int = 32, *, kernel_size: int = 5, pooling: str = "avg") -> P
     """SnapKV (Li et al., 2024, arXiv 2404.14469).
 
     Rule: score = attention summed over the last ``window`` queries (the observation
-    window at the end of the prompt), pooled over ``kernel_size`` neighbouring positions
-    ("avg" or "max"); the window's own tokens are protected. Built for prefill
+    window at the end of the prompt), pooled ("avg" or "max", zero padded) over the
+    ``kernel_size`` neighbouring items held, in position order (at prefill, before
+    anything is evicted, the neighbouring positions); the window's own tokens are
+    protected. Built for prefill
     compression: write and observe the prompt, then ``evict(state, budget=...)``.
     """
     _require(isinstance(window, int) and window >= 1, f"window must be an int >= 1, got {window!r}")

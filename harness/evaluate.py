@@ -276,7 +276,7 @@ def run_comparison(
         ceiling = at.get("oracle")
         for row in at.values():
             row.delta_vs_full = row.nll - full.nll
-            if floor and ceiling and ceiling.nll < floor.nll:
+            if floor and ceiling and ceiling.nll != floor.nll:
                 row.gap_closed = (floor.nll - row.nll) / (floor.nll - ceiling.nll)
             rows.append(row)
     full.delta_vs_full = 0.0

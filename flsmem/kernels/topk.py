@@ -1,17 +1,19 @@
 """Per-row top-k selection masks.
 
-``topk_mask(scores, k)`` returns a boolean mask of shape ``[R, N]`` that marks,
-in every row of a float32 ``[R, N]`` array, the ``k`` largest entries. Both
-implementations (a Pallas radix-select kernel and a plain ``jnp`` reference)
-follow the same total order and agree bit for bit:
+``topk_mask(scores, k, tiebreak=None)`` returns a boolean mask of shape
+``[R, N]`` that marks, in every row of a float32 ``[R, N]`` array, the ``k``
+largest entries. Both implementations (a Pallas radix-select kernel and a plain
+``jnp`` reference) follow the same total order and agree bit for bit:
 
 * larger values rank higher; ``+inf`` is the largest value;
 * ``NaN`` ranks lowest, below ``-inf``;
 * ``-0.0`` and ``+0.0`` are equal (``-0.0`` is canonicalised to ``+0.0``);
   subnormals are distinct from zero (ranking works on the bit patterns, so no
   backend's flush-to-zero can change the result);
-* equal values (including NaN against NaN) are ordered by index: the lower
-  index is kept first.
+* equal values (including NaN against NaN) are ordered by the optional int32
+  ``[R, N]`` ``tiebreak``: the higher tiebreak is kept first;
+* entries equal in both (or equal values without a tiebreak) are ordered by
+  index: the lower index is kept first.
 
 ``k`` is either a Python int shared by all rows or an integer array ``[R]``
 (possibly traced) with one value per row. Per row it is clipped to ``[0, N]``:
@@ -59,8 +61,9 @@ def _sortable_keys(x):
     return jnp.where(is_nan, jnp.int32(_INT32_MIN), keys)
 
 
-def _validate(scores, k):
-    """Checks the arguments and returns ``(scores, k)`` with k as int32 ``[R]``."""
+def _validate(scores, k, tiebreak):
+    """Checks the arguments; returns ``(scores, k, tiebreak)`` with k as int32
+    ``[R]`` and tiebreak as an int32 ``[R, N]`` array or None."""
     scores = jnp.asarray(scores)
     if scores.ndim != 2 or scores.dtype != jnp.float32:
         raise ValueError(
@@ -68,11 +71,28 @@ def _validate(scores, k):
             f"{scores.dtype} array of shape {tuple(scores.shape)}"
         )
     rows, cols = scores.shape
+    if tiebreak is not None:
+        if (
+            not hasattr(tiebreak, "dtype")
+            or not hasattr(tiebreak, "shape")
+            or tiebreak.dtype != jnp.int32
+            or tuple(tiebreak.shape) != (rows, cols)
+        ):
+            got = (
+                f"{tiebreak.dtype} array of shape {tuple(tiebreak.shape)}"
+                if hasattr(tiebreak, "dtype") and hasattr(tiebreak, "shape")
+                else repr(tiebreak)
+            )
+            raise ValueError(
+                f"tiebreak must be None or an int32 array of shape [{rows}, {cols}] "
+                f"(the shape of scores), got {got}"
+            )
+        tiebreak = jnp.asarray(tiebreak)
     if isinstance(k, numbers.Integral) and not isinstance(k, bool):
         if k < 0:
             raise ValueError(f"k must be a non-negative int, got {k}")
         # Clip before converting so huge Python ints cannot overflow int32.
-        return scores, jnp.full((rows,), min(int(k), cols), jnp.int32)
+        return scores, jnp.full((rows,), min(int(k), cols), jnp.int32), tiebreak
     if not hasattr(k, "dtype") or not hasattr(k, "shape"):
         raise ValueError(
             f"k must be a Python int or an integer array of shape [R], got {k!r}"
@@ -82,45 +102,58 @@ def _validate(scores, k):
             f"k must be a Python int or an integer array of shape [{rows}], got "
             f"{k.dtype} array of shape {tuple(k.shape)}"
         )
-    return scores, jnp.clip(jnp.asarray(k), 0, cols).astype(jnp.int32)
+    return scores, jnp.clip(jnp.asarray(k), 0, cols).astype(jnp.int32), tiebreak
 
 
-def _reference(scores, k):
-    """Stable-sort top-k. scores: float32 [R, N]; k: int32 [R] in [0, N]."""
+def _reference(scores, k, tiebreak):
+    """Sort-based top-k. scores: float32 [R, N]; k: int32 [R] in [0, N];
+    tiebreak: int32 [R, N] or None."""
     rows, cols = scores.shape
-    order = jnp.argsort(_sortable_keys(scores), axis=-1, descending=True, stable=True)
-    rank_sorted = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-    keep_sorted = rank_sorted < k.reshape(rows, 1)
+    if tiebreak is None:
+        tiebreak = jnp.zeros((rows, cols), jnp.int32)
+    col = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    # Ascending sort on (~key, ~tiebreak, index): ~ reverses the int32 order
+    # without overflow, so this is score key descending, then tiebreak
+    # descending, then index ascending. The index key makes the order total.
+    _, _, order = lax.sort(
+        (~_sortable_keys(scores), ~tiebreak, col), dimension=1, num_keys=3
+    )
+    keep_sorted = col < k.reshape(rows, 1)  # col doubles as the rank in the order
     row_ids = lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
     return jnp.zeros((rows, cols), jnp.bool_).at[row_ids, order].set(keep_sorted)
 
 
-def topk_mask_reference(scores, k):
-    """Plain ``jnp`` top-k mask (stable descending argsort). jit- and vmap-able.
+def topk_mask_reference(scores, k, tiebreak=None):
+    """Plain ``jnp`` top-k mask (a sort on score, tiebreak and index). jit- and
+    vmap-able.
 
     Args:
       scores: float32 ``[R, N]``.
       k: Python int >= 0, or integer array ``[R]`` (clipped to ``[0, N]``).
+      tiebreak: None, or int32 ``[R, N]``: among equal scores the higher
+        tiebreak is kept first (then the lower index).
 
     Returns:
       bool ``[R, N]``; row ``r`` has exactly ``clip(k[r], 0, N)`` True entries.
 
     Raises:
-      ValueError: on a malformed ``scores`` or ``k``.
+      ValueError: on a malformed ``scores``, ``k`` or ``tiebreak``.
     """
-    scores, k = _validate(scores, k)
-    return _reference(scores, k)
+    scores, k, tiebreak = _validate(scores, k, tiebreak)
+    return _reference(scores, k, tiebreak)
 
 
-def _radix_select_kernel(scores_ref, k_ref, out_ref, *, num_cols):
+def _radix_select_kernel(scores_ref, k_ref, *refs, num_cols):
     """Marks the k largest entries of each row of one ``[B, Np]`` block.
 
+    ``refs`` is ``(tiebreak_ref, out_ref)`` with an int32 ``[B, Np]`` tiebreak
+    block, or ``(out_ref,)`` without a tiebreak.
     Only elementwise ops, last-axis sums and fixed-trip loops are used so the
     body lowers on both Mosaic (TPU) and Triton (GPU).
     """
+    *tiebreak_ref, out_ref = refs
     shape = scores_ref.shape
     index_bits = shape[1].bit_length() - 1  # shape[1] is a power of two.
-    keys = _sortable_keys(scores_ref[...])
     col = lax.broadcasted_iota(jnp.int32, shape, 1)
     valid = col < num_cols  # Padding columns must never be selected.
     k = k_ref[...].astype(jnp.float32)  # [B, 1]
@@ -128,24 +161,38 @@ def _radix_select_kernel(scores_ref, k_ref, out_ref, *, num_cols):
     def count(pred):
         return jnp.sum(jnp.where(pred, 1.0, 0.0), axis=1, keepdims=True)
 
-    # Largest threshold T (in the unsigned order of keys ^ INT32_MIN) with
-    # count(keys >= T) >= k, built from the top bit down. Working on the signed
-    # candidate directly: setting bit b of the unsigned value is XOR-ing bit b
-    # of the signed one, and the signed comparison then matches the unsigned.
-    def key_step(i, thresh):
-        trial = thresh ^ lax.shift_left(jnp.int32(1), 31 - i)
-        keep = count(valid & (keys >= trial)) >= k
-        return jnp.where(keep, trial, thresh)
+    def split(keys, among, need):
+        """Splits the ``need`` largest ``among`` entries by int32 ``keys``.
 
-    thresh = lax.fori_loop(
-        0, 32, key_step, jnp.full((shape[0], 1), _INT32_MIN, jnp.int32)
-    )
-    above = valid & (keys > thresh)
-    tied = valid & (keys == thresh)
-    need = k - count(above)  # >= 1 whenever k >= 1, 0 when k == 0.
+        Returns ``(above, tied, still_need)``: the ``need`` largest are all of
+        ``above`` and ``still_need`` (>= 1 when need >= 1) of ``tied``. Finds
+        the largest threshold T with count(among & keys >= T) >= need, in
+        the unsigned order of keys ^ INT32_MIN, built from the top bit down.
+        Working on the signed candidate directly: setting bit b of the unsigned
+        value is XOR-ing bit b of the signed one, and the signed comparison
+        then matches the unsigned. need == 0 gives T = INT32_MAX: nothing above.
+        """
+
+        def step(i, thresh):
+            trial = thresh ^ lax.shift_left(jnp.int32(1), 31 - i)
+            keep = count(among & (keys >= trial)) >= need
+            return jnp.where(keep, trial, thresh)
+
+        thresh = lax.fori_loop(
+            0, 32, step, jnp.full((shape[0], 1), _INT32_MIN, jnp.int32)
+        )
+        above = among & (keys > thresh)
+        tied = among & (keys == thresh)
+        return above, tied, need - count(above)
+
+    above, tied, need = split(_sortable_keys(scores_ref[...]), valid, k)
+    if tiebreak_ref:
+        # Among the entries tied on the score, the higher tiebreak first.
+        above_tb, tied, need = split(tiebreak_ref[0][...], tied, need)
+        above = above | above_tb
 
     # Largest index J with count(tied & col < J) < need: the position of the
-    # need-th tied entry, so lower indices win the ties.
+    # need-th tied entry, so lower indices win the remaining ties.
     def index_step(i, last):
         trial = last | lax.shift_left(jnp.int32(1), index_bits - 1 - i)
         keep = count(tied & (col < trial)) < need
@@ -158,12 +205,13 @@ def _radix_select_kernel(scores_ref, k_ref, out_ref, *, num_cols):
     out_ref[...] = selected.astype(jnp.int32)
 
 
-def _topk_mask_pallas(scores, k, *, interpret, block_rows, backend):
+def _topk_mask_pallas(scores, k, tiebreak=None, *, interpret, block_rows, backend):
     """Radix-select top-k mask with Pallas.
 
     Args:
       scores: float32 ``[R, N]``.
       k: int32 ``[R]``, already clipped to ``[0, N]``.
+      tiebreak: int32 ``[R, N]`` or None.
       interpret: run the kernel in the Pallas interpreter (any backend).
       block_rows: rows per grid step, a positive multiple of 8.
       backend: ``"tpu"`` (Mosaic) or ``"gpu"`` (Triton); selects the compiler
@@ -180,8 +228,16 @@ def _topk_mask_pallas(scores, k, *, interpret, block_rows, backend):
     # Triton needs power-of-two blocks; Mosaic needs lanes in multiples of 128.
     padded_cols = max(128, 1 << (cols - 1).bit_length())
     padded_rows = -(-rows // block_rows) * block_rows
-    scores_p = jnp.pad(scores, ((0, padded_rows - rows), (0, padded_cols - cols)))
-    k_p = jnp.pad(k.astype(jnp.int32), (0, padded_rows - rows)).reshape(padded_rows, 1)
+    pad = ((0, padded_rows - rows), (0, padded_cols - cols))
+    block = pl.BlockSpec((block_rows, padded_cols), lambda i: (i, 0))
+    inputs = [
+        jnp.pad(scores, pad),
+        jnp.pad(k.astype(jnp.int32), (0, padded_rows - rows)).reshape(padded_rows, 1),
+    ]
+    in_specs = [block, pl.BlockSpec((block_rows, 1), lambda i: (i, 0))]
+    if tiebreak is not None:
+        inputs.append(jnp.pad(tiebreak, pad, constant_values=_INT32_MIN))
+        in_specs.append(block)
     if interpret:
         compiler_params = None
     elif backend == "tpu":
@@ -194,36 +250,38 @@ def _topk_mask_pallas(scores, k, *, interpret, block_rows, backend):
         functools.partial(_radix_select_kernel, num_cols=cols),
         out_shape=jax.ShapeDtypeStruct((padded_rows, padded_cols), jnp.int32),
         grid=(padded_rows // block_rows,),
-        in_specs=[
-            pl.BlockSpec((block_rows, padded_cols), lambda i: (i, 0)),
-            pl.BlockSpec((block_rows, 1), lambda i: (i, 0)),
-        ],
-        out_specs=pl.BlockSpec((block_rows, padded_cols), lambda i: (i, 0)),
+        in_specs=in_specs,
+        out_specs=block,
         interpret=interpret,
         compiler_params=compiler_params,
         name="topk_radix_select",
-    )(scores_p, k_p)
+    )(*inputs)
     return out[:rows, :cols] != 0
 
 
 @functools.partial(
     jax.jit, static_argnames=("implementation", "interpret", "block_rows", "backend")
 )
-def _topk_mask_jit(scores, k, *, implementation, interpret, block_rows, backend):
+def _topk_mask_jit(scores, k, tiebreak, *, implementation, interpret, block_rows, backend):
     if implementation == "xla":
-        return _reference(scores, k)
+        return _reference(scores, k, tiebreak)
     return _topk_mask_pallas(
-        scores, k, interpret=interpret, block_rows=block_rows, backend=backend
+        scores, k, tiebreak, interpret=interpret, block_rows=block_rows, backend=backend
     )
 
 
-def topk_mask(scores, k, *, implementation=None, interpret=False, block_rows=8):
+def topk_mask(
+    scores, k, *, tiebreak=None, implementation=None, interpret=False, block_rows=8
+):
     """Boolean mask of the k largest entries per row (see module docstring).
 
     Args:
       scores: float32 ``[R, N]``.
       k: Python int >= 0 shared by all rows, or integer array ``[R]`` (may be
         traced); clipped per row to ``[0, N]``.
+      tiebreak: None, or int32 ``[R, N]`` (may be traced): among equal scores
+        the higher tiebreak is kept first; what is still tied goes to the lower
+        index.
       implementation: ``"pallas"`` (radix-select kernel), ``"xla"`` (the
         ``jnp`` reference) or None: ``"xla"`` on CPU, ``"pallas"`` on TPU/GPU.
       interpret: run the Pallas kernel in interpret mode; required for
@@ -249,7 +307,7 @@ def topk_mask(scores, k, *, implementation=None, interpret=False, block_rows=8):
         or block_rows % 8
     ):
         raise ValueError(f"block_rows must be a positive multiple of 8, got {block_rows!r}")
-    scores, k = _validate(scores, k)
+    scores, k, tiebreak = _validate(scores, k, tiebreak)
     backend = jax.default_backend()
     if implementation is None:
         implementation = "pallas" if backend in ("tpu", "gpu") else "xla"
@@ -266,6 +324,7 @@ def topk_mask(scores, k, *, implementation=None, interpret=False, block_rows=8):
     return _topk_mask_jit(
         scores,
         k,
+        tiebreak,
         implementation=implementation,
         interpret=bool(interpret),
         block_rows=int(block_rows),

@@ -1,0 +1,110 @@
+"""The shipped byte-level ``TINY`` decoder trained on Austen: save and load its weights.
+
+``checkpoints/tiny-austen/`` holds the parameters written by
+``python -m train.train_decoder --export checkpoints/tiny-austen`` (how it was trained and
+its measured losses are in that folder's README.md)::
+
+    checkpoints/tiny-austen/
+      config.json   the DecoderConfig the weights belong to
+      params/       orbax checkpoint of the model's nnx.Param state (float32)
+
+Loading needs nothing beyond the repository: no network, no training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+import orbax.checkpoint as ocp
+
+from models.data import ByteTokenizer
+from models.decoder import TINY, Decoder, DecoderConfig
+
+__all__ = ["CHECKPOINT_DIR", "save_params", "load_params", "load_tiny"]
+
+CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-austen"
+
+_PARAMS = "params"
+_CONFIG = "config.json"
+
+
+def save_params(model: Decoder, directory: str | Path) -> Path:
+    """Write a model's parameters (only) where :func:`load_params` reads them.
+
+    Replaces an earlier ``params/`` and ``config.json`` in ``directory``; other files
+    there (a README) are left alone.
+
+    Args:
+      model: the decoder to save.
+      directory: folder to write ``config.json`` and ``params/`` into; created if needed.
+
+    Returns:
+      ``directory`` as an absolute path.
+    """
+    directory = Path(directory).resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    params = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / _PARAMS, params, force=True)
+        checkpointer.wait_until_finished()
+    # Orbax's commit marker records the absolute path written to; a local restore does
+    # not read it, and a shipped checkpoint should not carry the writer's file system.
+    (directory / _PARAMS / "commit_success.txt").unlink(missing_ok=True)
+    (directory / _CONFIG).write_text(json.dumps(dataclasses.asdict(model.cfg), indent=2) + "\n")
+    return directory
+
+
+def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
+    """A ``Decoder(cfg)`` with the parameters saved in ``directory``.
+
+    The target structure comes from ``nnx.eval_shape``, so no throwaway random weights
+    are built before the restore.
+
+    Args:
+      directory: a folder written by :func:`save_params`.
+      cfg: the configuration the weights were trained with.
+
+    Raises:
+      FileNotFoundError: ``directory`` holds no saved parameters.
+      ValueError: they were saved for a different configuration.
+    """
+    directory = Path(directory).resolve()
+    if not (directory / _PARAMS).is_dir():
+        raise FileNotFoundError(
+            f"no saved parameters in {directory} (expected a {_PARAMS}/ folder); "
+            "train and export them with: python -m train.train_decoder --export DIR"
+        )
+    config_path = directory / _CONFIG
+    if config_path.is_file():
+        # Checked before the restore: orbax's own shape-mismatch error does not say which config.
+        saved = json.loads(config_path.read_text())
+        if saved != dataclasses.asdict(cfg):
+            raise ValueError(f"parameters in {directory} were saved for {saved}, not for {dataclasses.asdict(cfg)}")
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+    # Place every array on the default device: without a sharding orbax would warn and
+    # guess from the saved metadata.
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(directory / _PARAMS, target)
+    return nnx.merge(graphdef, params)
+
+
+def load_tiny(directory: str | Path | None = None) -> tuple[Decoder, ByteTokenizer]:
+    """The shipped Austen-trained ``TINY`` decoder and its tokenizer.
+
+    Args:
+      directory: where the checkpoint lives; default :data:`CHECKPOINT_DIR`.
+
+    Returns:
+      ``(model, tokenizer)``.
+
+    Raises:
+      FileNotFoundError: the checkpoint is missing.
+    """
+    return load_params(CHECKPOINT_DIR if directory is None else directory, TINY), ByteTokenizer()

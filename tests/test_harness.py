@@ -1,0 +1,100 @@
+"""The evaluation harness: exact where it must be, and ``flsmem eval`` end to end."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flsmem import policies as P
+from harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
+from harness.report import make_windows, parse_budgets
+from models.decoder import Decoder, DecoderConfig
+
+CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
+MODEL = Decoder(CFG, nnx.Rngs(0))
+WINDOWS = np.asarray(jax.random.randint(jax.random.key(1), (2, 33), 0, CFG.vocab_size), np.int32)
+
+
+def plain_nll(windows):
+    logits = MODEL(jnp.asarray(windows[:, :-1]))[0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -np.take_along_axis(np.asarray(logp), windows[:, 1:, None], axis=-1)[..., 0]
+
+
+def test_full_cache_streaming_equals_the_plain_model():
+    nll, _ = evaluate_nll(MODEL, WINDOWS, P.full(), 32, chunk=8)
+    np.testing.assert_allclose(nll, plain_nll(WINDOWS), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["h2o", "rmm", "tova", "snapkv", "kalman"])
+def test_a_budget_that_holds_everything_changes_nothing(name):
+    nll, stats = evaluate_nll(MODEL, WINDOWS, make_policy(name, 32), 32, chunk=8)
+    np.testing.assert_allclose(nll, plain_nll(WINDOWS), atol=1e-4)
+    assert int(np.sum(stats["evictions"])) == 0
+
+
+def test_eviction_changes_the_likelihood_and_is_counted():
+    nll, stats = evaluate_nll(MODEL, WINDOWS, make_policy("h2o", 8), 8, chunk=8)
+    assert not np.allclose(nll, plain_nll(WINDOWS), atol=1e-3)
+    # Each layer, window and KV head keeps 8 of 32 tokens: 24 evictions per row.
+    np.testing.assert_array_equal(stats["evictions"], np.full((CFG.depth, 2), 24 * CFG.kv_heads))
+
+
+def test_future_attention_sums_later_queries():
+    futures = future_attention(MODEL, WINDOWS, 8)  # [L, W, K, T, T]
+    assert futures.shape == (CFG.depth, 2, CFG.kv_heads, 32, 32)
+    # Query t's row sums to 1 over positions <= t, so what is still to come after t,
+    # summed over positions, is the number of later queries (heads averaged).
+    np.testing.assert_allclose(np.asarray(futures.sum(-1)), np.broadcast_to(31 - np.arange(32), futures.shape[:-1]), rtol=1e-4)
+
+
+def test_comparison_rows_and_gap_closed():
+    rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 32), [8], ["streaming_llm", "h2o", "oracle"], chunk=8)
+    by = {(r.policy, r.budget): r for r in rows}
+    assert by[("full", 32)].delta_vs_full == 0.0
+    assert by[("streaming_llm", 8)].gap_closed == 0.0
+    assert by[("oracle", 8)].gap_closed == pytest.approx(1.0)
+    h2o = by[("h2o", 8)]
+    assert h2o.delta_vs_full == pytest.approx(h2o.nll - by[("full", 32)].nll)
+
+
+def test_prefill_protocol_compresses_once():
+    rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 8), [8], ["streaming_llm", "snapkv"],
+                          chunk=8, protocol="prefill", prefill_fraction=0.75)
+    assert {r.policy for r in rows} == {"full", "streaming_llm", "snapkv"}
+    # The scored part is the last quarter (8 tokens) of each window.
+    full = next(r for r in rows if r.policy == "full")
+    np.testing.assert_allclose(full.nll, plain_nll(WINDOWS)[:, 24:].mean(), rtol=1e-4)
+
+
+def test_argument_checks():
+    assert parse_budgets("1/16,1/8,32", 512) == [32, 64, 32]
+    with pytest.raises(ValueError, match="budgets"):
+        parse_budgets("0", 512)
+    with pytest.raises(ValueError, match="budgets"):
+        parse_budgets("one", 512)
+    with pytest.raises(ValueError, match="windows"):
+        make_windows(np.arange(100), 64, 4)
+    with pytest.raises(ValueError, match="policy"):
+        make_policy("belady", 32)
+    with pytest.raises(ValueError, match="multiple"):
+        evaluate_nll(MODEL, WINDOWS, P.h2o(), 8, chunk=5)
+
+
+def test_flsmem_eval_end_to_end(tmp_path, capsys):
+    from flsmem.cli import main
+
+    out = tmp_path / "eval.json"
+    plot = tmp_path / "eval.png"
+    main(["eval", "--context", "64", "--windows", "2", "--budgets", "1/4", "--policies",
+          "streaming_llm,h2o,rmm,oracle", "--json", str(out), "--plot", str(plot)])
+    printed = capsys.readouterr().out
+    assert "full cache" in printed and "rmm" in printed
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny" and result["text"] == "persuasion" and result["context"] == 64
+    assert {r["policy"] for r in result["rows"]} == {"full", "streaming_llm", "h2o", "rmm", "oracle"}
+    assert set(result["rows"][0]) >= {"policy", "budget", "nll", "delta_vs_full", "gap_closed"}
+    assert plot.stat().st_size > 10_000
