@@ -44,11 +44,15 @@ def test_eviction_changes_the_likelihood_and_is_counted():
 
 
 def test_future_attention_sums_later_queries():
-    futures = future_attention(MODEL, WINDOWS, 8)  # [L, W, K, T, T]
+    futures = future_attention(MODEL, WINDOWS, 8, discount=1.0)  # [L, W, K, T, T]
     assert futures.shape == (CFG.depth, 2, CFG.kv_heads, 32, 32)
     # Query t's row sums to 1 over positions <= t, so what is still to come after t,
     # summed over positions, is the number of later queries (heads averaged).
     np.testing.assert_allclose(np.asarray(futures.sum(-1)), np.broadcast_to(31 - np.arange(32), futures.shape[:-1]), rtol=1e-4)
+    # Discounted: sum over later queries s of 0.5^(s - t - 1).
+    half = future_attention(MODEL, WINDOWS, 8, discount=0.5)
+    expected = 2.0 * (1.0 - 0.5 ** (31 - np.arange(32)))
+    np.testing.assert_allclose(np.asarray(half.sum(-1)), np.broadcast_to(expected, half.shape[:-1]), rtol=1e-4)
 
 
 def test_comparison_rows_and_gap_closed():
