@@ -80,3 +80,21 @@ def test_bad_decoder_arguments():
     config = flsmem.MemoryConfig(policy=P.full(), budget=8)
     with pytest.raises(ValueError, match="memories"):
         MODEL(TOKENS[:, :1], memories=flsmem.init(config, 2, CFG.kv_heads, {"k": (8,), "v": (8,)}))
+
+
+def test_generate_with_the_full_cache_is_plain_greedy_decoding():
+    from models.generate import generate
+
+    prompt = TOKENS[:, :12]
+    config = flsmem.MemoryConfig(policy=P.full(), budget=24, max_chunk=5)  # 12 = 5 + 5 + 2
+    tokens, memories = generate(MODEL, config, prompt, steps=6)
+    seq = prompt
+    for _ in range(6):  # greedy by recomputing the whole prefix
+        seq = jnp.concatenate([seq, jnp.argmax(plain_logits(PARAMS, seq)[:, -1], axis=-1)[:, None]], axis=1)
+    np.testing.assert_array_equal(tokens, seq[:, 12:])
+    # A small budget still decodes, and never holds more than budget + evict_every.
+    tokens, memories = generate(MODEL, config.replace(policy=P.rmm(lag=2), budget=6, evict_every=2), prompt, steps=6)
+    assert tokens.shape == (2, 6)
+    assert int(memories.valid.sum(-1).max()) <= 8
+    with pytest.raises(ValueError, match="prompt"):
+        generate(MODEL, config, prompt[0], steps=2)
