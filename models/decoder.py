@@ -202,9 +202,16 @@ class Decoder(nnx.Module):
           ``(logits [B, T, V], memories, attention)``; with memories, ``attention`` is
           ``[L, B, K, T, S]`` for :func:`update_memories`; else both are None.
         """
+        if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+            raise ValueError(f"tokens must be an int array [B, T], got {jnp.result_type(tokens)}{list(jnp.shape(tokens))}")
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        elif jnp.shape(positions) != (b, t) or not jnp.issubdtype(jnp.result_type(positions), jnp.integer):
+            raise ValueError(
+                f"positions must be an int array [B, T] = {[b, t]}, got "
+                f"{jnp.result_type(positions)}{list(jnp.shape(positions))}"
+            )
         if memories is not None:
             depth = memories.valid.shape[0] if memories.valid.ndim == 4 else None
             if depth != self.cfg.depth:

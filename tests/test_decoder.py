@@ -77,6 +77,12 @@ def test_bad_decoder_arguments():
         DecoderConfig(vocab_size=8, width=8, depth=1, q_heads=3, kv_heads=2, head_dim=4, hidden=8)
     with pytest.raises(ValueError, match="head_dim"):
         DecoderConfig(vocab_size=8, width=8, depth=1, q_heads=2, kv_heads=2, head_dim=5, hidden=8)
+    with pytest.raises(ValueError, match="tokens"):
+        MODEL(TOKENS[0])
+    with pytest.raises(ValueError, match="tokens"):
+        MODEL(TOKENS.astype(jnp.float32))
+    with pytest.raises(ValueError, match="positions"):
+        MODEL(TOKENS, positions=jnp.zeros((2, 3), jnp.int32))
     config = flsmem.MemoryConfig(policy=P.full(), budget=8)
     with pytest.raises(ValueError, match="memories"):
         MODEL(TOKENS[:, :1], memories=flsmem.init(config, 2, CFG.kv_heads, {"k": (8,), "v": (8,)}))
