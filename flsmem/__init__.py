@@ -6,7 +6,7 @@ last three query by query). A :class:`MemoryConfig` holds the static settings, a
 them the :mod:`flsmem.policies` policy.
 """
 
-from flsmem import kernels, policies
+from flsmem import kernels, policies, theory
 from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
 from flsmem.observe import observe, reduce_query_heads
@@ -34,6 +34,7 @@ __all__ = [
     "reduce_query_heads",
     "smooth",
     "summary",
+    "theory",
     "update",
     "visible",
     "write",

@@ -50,7 +50,6 @@ __all__ = [
     "tova",
     "use_recency",
     "window",
-    "kalman_steady_state_gain",
 ]
 
 HEAD_REDUCTIONS = ("mean", "sum", "max")
@@ -330,19 +329,6 @@ def _kalman_init_aux(policy, batch, kv_heads):
     return jnp.broadcast_to(prior, (batch, kv_heads, 2))
 
 
-def kalman_steady_state_gain(q_over_r):
-    """Steady-state gain of the scalar local-level Kalman filter.
-
-    With process noise q and measurement noise r the predicted variance P solves
-    ``P = (P - P^2 / (P + r)) + q``, so with ``x = q / r`` the gain ``P / (P + r)`` is
-    ``(-x + sqrt(x^2 + 4x)) / 2``. The filter mean is then an exponential moving
-    average with decay ``1 - gain``: x = 0 accumulates (gain 0, a running mean in the
-    limit), large x measures (gain near 1, the latest observation).
-    """
-    x = jnp.asarray(q_over_r, jnp.float32)
-    return 0.5 * (-x + jnp.sqrt(x * x + 4.0 * x))
-
-
 # -------------------------------------------------------------------------- scores
 
 
@@ -571,7 +557,8 @@ def kalman(
     (accumulating); large q/r gives a gain near 1 (measuring, like TOVA). With
     ``adaptive`` each row estimates q and r online from the differences of successive
     measurements (variance q + 2r, lag-one covariance -r), averaged over its slots with
-    rate ``beta``, starting from the given q and r.
+    rate ``beta``, starting from the given q and r. :mod:`flsmem.theory` gives the
+    steady-state gain for a q/r and the EMA decay it implies.
     """
     _require(isinstance(q, (int, float)) and q >= 0, f"q must be a number >= 0, got {q!r}")
     _check_positive("r", r)

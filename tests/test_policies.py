@@ -263,8 +263,22 @@ def test_nonfinite_score_falls_back_and_is_counted():
     assert int(state.stats.fallbacks[0]) >= 1
 
 
-def test_kalman_steady_state_gain_limits():
-    gain = P.kalman_steady_state_gain(jnp.array([0.0, 1.0, 1e6]))
+def test_kalman_steady_state_gain_matches_the_filter():
+    from flsmem import theory
+
+    gain = theory.steady_state_gain(jnp.array([0.0, 1.0, 1e6]))
     assert float(gain[0]) == 0.0
     assert float(gain[1]) == pytest.approx((-1 + 5**0.5) / 2, rel=1e-6)
     assert float(gain[2]) == pytest.approx(1.0, abs=1e-5)
+    # Brute force: run the kalman policy itself and read its gain off the variance
+    # it keeps, P_pred / (P_pred + r), after many queries.
+    for q, r in [(0.01, 1.0), (0.5, 0.1), (2.0, 0.5)]:
+        config = flsmem.MemoryConfig(policy=P.kalman(q=q, r=r), budget=1)
+        state = flsmem.init(config, 1, 1, {"v": ()})
+        state = flsmem.write(state, {"v": jnp.zeros((1, 1))}, jnp.array([0]))
+        state = jax.jit(flsmem.observe)(state, jnp.full((1, 1, 300, state.slots), 0.5))
+        pred = state.evidence[0, 0, 0, 1] + q
+        assert float(pred / (pred + r)) == pytest.approx(float(theory.steady_state_gain(q / r)), rel=1e-4)
+        assert float(theory.riccati_gains(q, r, 300)[-1]) == pytest.approx(float(theory.steady_state_gain(q / r)), rel=1e-4)
+    decay = theory.steady_state_decay(theory.q_over_r_for_decay(jnp.array([0.5, 0.9, 0.99])))
+    np.testing.assert_allclose(decay, [0.5, 0.9, 0.99], rtol=1e-5)

@@ -1,0 +1,59 @@
+"""Measuring versus accumulating, from the scalar Kalman filter.
+
+A slot's utility is modelled as a local level: ``x_t = x_{t-1} + w_t`` (process noise
+of variance q: how fast the utility drifts) observed as ``z_t = x_t + v_t`` (measurement
+noise of variance r: how noisy one query's attention is). The filter's gain settles to a
+constant that depends only on ``q / r``, and its mean is then an exponential moving
+average with decay ``1 - gain``:
+
+* ``q / r -> 0``: gain -> 0, decay -> 1: accumulate (H2O's running sum, as a mean);
+* ``q / r -> inf``: gain -> 1, decay -> 0: measure (TOVA's latest attention).
+
+So the steady-state gain says which side of the map a stream belongs to, and which
+``ema`` decay is optimal for it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from flsmem.typing import Array
+
+__all__ = ["steady_state_gain", "steady_state_decay", "q_over_r_for_decay", "riccati_gains"]
+
+
+def steady_state_gain(q_over_r) -> Array:
+    """The limit of the gain ``P / (P + r)``.
+
+    The predicted variance in units of r, ``p``, is the fixed point of
+    ``p <- p / (p + 1) + x`` with ``x = q / r``, i.e. ``p^2 = x (p + 1)``, so
+    ``p = (x + sqrt(x^2 + 4x)) / 2`` and the gain ``p / (p + 1)`` simplifies to
+    ``(sqrt(x^2 + 4x) - x) / 2``.
+    """
+    x = jnp.asarray(q_over_r, jnp.float32)
+    return 0.5 * (jnp.sqrt(x * x + 4.0 * x) - x)
+
+
+def steady_state_decay(q_over_r) -> Array:
+    """The EMA decay the steady-state filter implies: ``1 - gain``."""
+    return 1.0 - steady_state_gain(q_over_r)
+
+
+def q_over_r_for_decay(decay) -> Array:
+    """The noise ratio whose steady-state filter is an EMA with this ``decay``:
+    from ``gain = 1 - decay``, ``x = gain^2 / (1 - gain)``."""
+    gain = 1.0 - jnp.asarray(decay, jnp.float32)
+    return gain * gain / (1.0 - gain)
+
+
+def riccati_gains(q: float, r: float, steps: int) -> Array:
+    """The gains of the first ``steps`` updates of a filter started from its first
+    measurement (``P = r``), by iterating the Riccati recursion."""
+    gains = []
+    var = r
+    for _ in range(steps):
+        pred = var + q
+        gain = pred / (pred + r)
+        gains.append(gain)
+        var = (1.0 - gain) * pred
+    return jnp.asarray(gains, jnp.float32)
