@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from flsmem.typing import Array
 
-__all__ = ["steady_state_gain", "steady_state_decay", "q_over_r_for_decay", "riccati_gains"]
+__all__ = ["steady_state_gain", "steady_state_decay", "q_over_r_for_decay", "riccati_gains", "ema_error_variance", "crossover"]
 
 
 def steady_state_gain(q_over_r) -> Array:
@@ -57,3 +57,26 @@ def riccati_gains(q: float, r: float, steps: int) -> Array:
         gains.append(gain)
         var = (1.0 - gain) * pred
     return jnp.asarray(gains, jnp.float32)
+
+
+def ema_error_variance(decay, q_over_r) -> Array:
+    """Steady-state variance, in units of r, of ``x_t - m_t`` for the EMA
+    ``m_t = decay * m_{t-1} + (1 - decay) * z_t`` tracking the local level.
+
+    With gain ``g = 1 - decay`` the error obeys ``e_t = (1 - g)(e_{t-1} + w_t) - g v_t``,
+    so ``Var = ((1 - g)^2 x + g^2) / (g (2 - g))`` with ``x = q / r``; it is smallest at
+    the steady-state Kalman gain. Add ``x`` for the error of predicting ``x_{t+1}``.
+    """
+    g = 1.0 - jnp.asarray(decay, jnp.float32)
+    x = jnp.asarray(q_over_r, jnp.float32)
+    return ((1.0 - g) ** 2 * x + g * g) / (g * (2.0 - g))
+
+
+def crossover(decay_a, decay_b) -> Array:
+    """The ``q / r`` at which two EMA decays track the level equally well; below it the
+    larger decay (more accumulating) wins, above it the smaller (more measuring)."""
+    ga = 1.0 - jnp.asarray(decay_a, jnp.float32)
+    gb = 1.0 - jnp.asarray(decay_b, jnp.float32)
+    slope = (1.0 - ga) ** 2 / (ga * (2.0 - ga)) - (1.0 - gb) ** 2 / (gb * (2.0 - gb))
+    offset = gb / (2.0 - gb) - ga / (2.0 - ga)
+    return offset / slope

@@ -282,3 +282,38 @@ def test_kalman_steady_state_gain_matches_the_filter():
         assert float(theory.riccati_gains(q, r, 300)[-1]) == pytest.approx(float(theory.steady_state_gain(q / r)), rel=1e-4)
     decay = theory.steady_state_decay(theory.q_over_r_for_decay(jnp.array([0.5, 0.9, 0.99])))
     np.testing.assert_allclose(decay, [0.5, 0.9, 0.99], rtol=1e-5)
+
+
+def test_tracking_error_of_ema_and_kalman_matches_theory():
+    """On a drifting local level, the filters' prediction error is what theory says,
+    and the crossover between two decays falls where theory puts it."""
+    from flsmem import theory
+
+    items, steps, burn = 128, 1200, 328
+
+    def prediction_mse(policy, scale, q, r=1.0):
+        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(k1, (items,))[None] + jnp.cumsum(jnp.sqrt(q) * jax.random.normal(k2, (steps, items)), axis=0)
+        z = x + jnp.sqrt(r) * jax.random.normal(k3, (steps, items))
+        config = flsmem.MemoryConfig(policy=policy, budget=items, max_chunk=items)
+        state = flsmem.init(config, 1, 1, {"v": ()})
+        state = flsmem.write(state, {"v": jnp.zeros((1, 1, items))}, jnp.arange(items)[None])
+        pad = jnp.zeros((steps, config.capacity - items))
+
+        def body(state, zt):
+            state = flsmem.smooth(flsmem.observe(state, zt[None, None]))
+            return state, state.score[0, 0, :items]
+
+        _, m = jax.lax.scan(body, state, jnp.concatenate([z, pad], axis=1))
+        return float(jnp.mean((x[1:] - scale * m[:-1])[burn:] ** 2)) / r
+
+    for x in (0.01, 0.3):
+        best = float(theory.ema_error_variance(theory.steady_state_decay(x), x) + x)
+        assert prediction_mse(P.kalman(q=x, r=1.0), 1.0, x) == pytest.approx(best, rel=0.1)
+        for d in (0.5, 0.9):  # ema keeps a decayed sum: (1 - d) times it is the average
+            assert prediction_mse(P.ema(d), 1.0 - d, x) == pytest.approx(float(theory.ema_error_variance(d, x) + x), rel=0.1)
+    # Decays 0.9 and 0.5 cross where (.81x + .01)/.19 = (.25x + .25)/.75, at q/r = 1/14:
+    # the more accumulating 0.9 wins below, the more measuring 0.5 above.
+    assert float(theory.crossover(0.9, 0.5)) == pytest.approx(1 / 14, rel=1e-5)
+    assert theory.ema_error_variance(0.9, 0.05) < theory.ema_error_variance(0.5, 0.05)
+    assert theory.ema_error_variance(0.9, 0.2) > theory.ema_error_variance(0.5, 0.2)
