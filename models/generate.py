@@ -83,6 +83,8 @@ def generate(
     Returns:
       ``(tokens [B, steps], memories)``: the continuation and the final memories.
     """
+    if not isinstance(config, flsmem.MemoryConfig):
+        raise ValueError(f"config must be a flsmem.MemoryConfig, got {type(config).__name__}")
     prompt = jnp.asarray(prompt)
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"prompt must be an int array [B, P] with P >= 1, got {prompt.dtype}{list(prompt.shape)}")

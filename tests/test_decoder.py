@@ -104,3 +104,5 @@ def test_generate_with_the_full_cache_is_plain_greedy_decoding():
     assert int(memories.valid.sum(-1).max()) <= 8
     with pytest.raises(ValueError, match="prompt"):
         generate(MODEL, config, prompt[0], steps=2)
+    with pytest.raises(ValueError, match="config"):
+        generate(MODEL, {"budget": 8}, prompt, steps=2)

@@ -312,6 +312,10 @@ def test_tracking_error_of_ema_and_kalman_matches_theory():
         assert prediction_mse(P.kalman(q=x, r=1.0), 1.0, x) == pytest.approx(best, rel=0.1)
         for d in (0.5, 0.9):  # ema keeps a decayed sum: (1 - d) times it is the average
             assert prediction_mse(P.ema(d), 1.0 - d, x) == pytest.approx(float(theory.ema_error_variance(d, x) + x), rel=0.1)
+    for bad in (lambda: theory.steady_state_gain(-1.0), lambda: theory.ema_error_variance(1.0, 0.1),
+                lambda: theory.crossover(0.5, 1.5), lambda: theory.riccati_gains(0.1, 0.0, 3)):
+        with pytest.raises(ValueError):
+            bad()
     # Decays 0.9 and 0.5 cross where (.81x + .01)/.19 = (.25x + .25)/.75, at q/r = 1/14:
     # the more accumulating 0.9 wins below, the more measuring 0.5 above.
     assert float(theory.crossover(0.9, 0.5)) == pytest.approx(1 / 14, rel=1e-5)
