@@ -34,12 +34,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     evaluate = commands.add_parser(
         "eval", help="every policy on held-out text with a decoder; print a table and write a plot"
     )
+    regime = commands.add_parser(
+        "regime", help="the regime map: controlled tasks and text, every policy, lag sweep, correctness signals"
+    )
     # The harness ships with the repository, beside the core library, which never needs it.
-    add_arguments = None
-    if importlib.util.find_spec("harness") is not None:
+    has_harness = importlib.util.find_spec("harness") is not None
+    if has_harness:
+        from harness import regime as regime_module
         from harness.report import add_arguments
 
         add_arguments(evaluate)
+        regime_module.add_arguments(regime)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -47,12 +52,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.steps < 2 or args.streams < 1:
             parser.error("--steps must be >= 2 and --streams >= 1")
         run_demo(args.budgets, args.steps, args.streams, args.seed, args.plot or None, args.json)
+    elif not has_harness:
+        parser.error(f"flsmem {args.command} needs the harness and models packages of the flsmem repository")
     elif args.command == "eval":
-        if add_arguments is None:
-            parser.error("flsmem eval needs the harness and models packages of the flsmem repository")
         from harness.report import run
 
         run(args)
+    else:
+        regime_module.run_cli(args)
 
 
 if __name__ == "__main__":

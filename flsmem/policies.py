@@ -23,6 +23,7 @@ query) and a ``score`` (evidence to score) and return ``Policy(...)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -277,46 +278,76 @@ def _fold_future(policy, view, obs, aux):
     return jnp.where(view.present, obs.future, e)[..., None], aux
 
 
-# Kalman evidence columns.
-_MEAN, _VAR, _COUNT, _LAST, _LAST_DIFF = range(5)
+# Kalman evidence columns: the filter (mean, variance P, measurements folded) and, for
+# the adaptive filter, the derivatives of the mean and of P / r with respect to
+# log(q / r).
+_MEAN, _VAR, _COUNT, _DMEAN, _DVAR = range(5)
+# Adaptive aux, per row: log(q / r), r, and the running mean of dmean^2 (the
+# Gauss-Newton curvature).
+_LOG_X, _R, _INFO = range(3)
+# The estimated q / r stays in [1e-8, 1e4]: gains from 1e-4 to 1 - 1e-4.
+_LOG_X_MIN, _LOG_X_MAX = math.log(1e-8), math.log(1e4)
+_R_MIN = 1e-12
 
 
 def _kalman_noise(policy, aux):
-    """(q, r) per row: fixed, or estimated from measurement differences."""
+    """(q, r): fixed, or per row from the adaptive estimate."""
     if not policy.p["adaptive"]:
         return jnp.float32(policy.p["q"]), jnp.float32(policy.p["r"])
-    # Local-level model z_t = x_t + v_t, x_t = x_{t-1} + w_t: the differences
-    # d_t = z_t - z_{t-1} have variance q + 2r and lag-one covariance -r.
-    c0, c1 = aux[..., 0], aux[..., 1]
-    r = jnp.maximum(-c1, 1e-12)
-    q = jnp.maximum(c0 - 2.0 * r, 0.0)
+    r = jnp.maximum(aux[..., _R], _R_MIN)
+    q = jnp.exp(aux[..., _LOG_X]) * r
     return q[..., None], r[..., None]
 
 
 def _fold_kalman(policy, view, obs, aux):
-    """Scalar filter per slot: predict P += q, update with z = (w *) a."""
+    """Scalar filter per slot: predict P += q, update with z = (w *) a.
+
+    The adaptive filter also carries each slot's sensitivity of the mean to
+    theta = log(q / r), and moves theta by a damped Gauss-Newton step on the squared
+    innovations pooled over the row's slots (a recursive prediction-error method). With
+    the true q / r the filter's one-step predictions have the least error at every age,
+    so its innovations are uncorrelated with anything computed from the past, the
+    sensitivity included: that is the fixed point. r is the running mean of the
+    innovations normalised by their predicted variance.
+    """
     ev = view.evidence
     m, var, n = ev[..., _MEAN], ev[..., _VAR], ev[..., _COUNT]
-    last, last_diff = ev[..., _LAST], ev[..., _LAST_DIFF]
+    dmean, dvar = ev[..., _DMEAN], ev[..., _DVAR]
     z = _weight(policy, obs) * obs.attention
     q, r = _kalman_noise(policy, aux)
     first = n == 0
     var_pred = var + q
-    gain = jnp.where(first, 1.0, var_pred / (var_pred + r))
-    m_new = m + gain * (z - m)
+    spread = var_pred + r  # predicted variance of the innovation
+    gain = jnp.where(first, 1.0, var_pred / spread)
+    innovation = z - m
+    m_new = m + gain * innovation
     var_new = jnp.where(first, r, (1.0 - gain) * var_pred)
-    diff = jnp.where(first, 0.0, z - last)
-    new = jnp.stack([m_new, var_new, n + 1.0, z, diff], axis=-1)
+    # d/dtheta of the same recursion, P in units of r (where the gain depends on q / r
+    # only): P / r <- gain, so its derivative is dgain; the first measurement sets
+    # m = z and P = r, which do not depend on theta.
+    x = q / r
+    dgain = jnp.where(first, 0.0, (dvar + x) * (r / spread) ** 2)
+    dmean_new = (1.0 - gain) * dmean + dgain * innovation
+    new = jnp.stack([m_new, var_new, n + 1.0, dmean_new, dgain], axis=-1)
     new_ev = jnp.where(view.present[..., None], new, ev)
     if policy.p["adaptive"]:
-        pair = view.present & (n >= 2)  # both diff and last_diff are real
-        count = jnp.sum(pair, axis=-1).astype(jnp.float32)
-        safe = jnp.maximum(count, 1.0)
-        sq = jnp.sum(jnp.where(pair, diff * diff, 0.0), axis=-1) / safe
-        cross = jnp.sum(jnp.where(pair, diff * last_diff, 0.0), axis=-1) / safe
+        used = view.present & ~first  # slots that had a prediction to check
+        count = jnp.sum(used, axis=-1).astype(jnp.float32)
+
+        def pooled(v):
+            return jnp.sum(jnp.where(used, v, 0.0), axis=-1) / jnp.maximum(count, 1.0)
+
         beta = policy.p["beta"]
-        moments = jnp.stack([sq, cross], axis=-1)
-        updated = (1.0 - beta) * aux + beta * moments
+        # -1/2 d(innovation^2)/dtheta = innovation * dmean, since dz/dtheta = 0.
+        grad = pooled(innovation * dmean)
+        info_now = pooled(dmean * dmean)
+        info = (1.0 - beta) * aux[..., _INFO] + beta * info_now
+        # Early on the running curvature is still filling up: use this query's if larger.
+        # The step is bounded so that one query moves q / r by at most a factor e.
+        step = jnp.clip(beta * grad / jnp.maximum(jnp.maximum(info, info_now), 1e-30), -1.0, 1.0)
+        log_x = jnp.clip(aux[..., _LOG_X] + step, _LOG_X_MIN, _LOG_X_MAX)
+        r_new = (1.0 - beta) * aux[..., _R] + beta * pooled(innovation ** 2 * r / spread)
+        updated = jnp.stack([log_x, r_new, info], axis=-1)
         aux = jnp.where((count > 0)[..., None], updated, aux)
     return new_ev, aux
 
@@ -325,8 +356,9 @@ def _kalman_init_aux(policy, batch, kv_heads):
     if not policy.p["adaptive"]:
         return None
     q, r = policy.p["q"], policy.p["r"]
-    prior = jnp.array([q + 2.0 * r, -r], jnp.float32)
-    return jnp.broadcast_to(prior, (batch, kv_heads, 2))
+    log_x = min(max(math.log(max(q / r, 1e-30)), _LOG_X_MIN), _LOG_X_MAX)
+    prior = jnp.array([log_x, r, 0.0], jnp.float32)
+    return jnp.broadcast_to(prior, (batch, kv_heads, 3))
 
 
 # -------------------------------------------------------------------------- scores
@@ -545,7 +577,7 @@ def random(seed: int = 0) -> Policy:
 
 
 def kalman(
-    q: float = 0.01, r: float = 1.0, *, adaptive: bool = False, beta: float = 0.05,
+    q: float = 0.01, r: float = 1.0, *, adaptive: bool = False, beta: float = 0.01,
     weighted: bool = False, recent: int = 0, lag: int = 0,
 ) -> Policy:
     """Per-slot scalar Kalman filter on attention (local-level model).
@@ -555,10 +587,14 @@ def kalman(
     ``K = P / (P + r)``, ``m += K (z - m)``, ``P = (1 - K) P``; the first measurement
     sets ``m = z, P = r``. Score = m. q = 0 gives the running mean of attention
     (accumulating); large q/r gives a gain near 1 (measuring, like TOVA). With
-    ``adaptive`` each row estimates q and r online from the differences of successive
-    measurements (variance q + 2r, lag-one covariance -r), averaged over its slots with
-    rate ``beta``, starting from the given q and r. :mod:`flsmem.theory` gives the
-    steady-state gain for a q/r and the EMA decay it implies.
+    ``adaptive`` each row estimates q/r online, starting from the given q and r, by a
+    damped Gauss-Newton step per query (rate ``beta``) on the squared innovations
+    ``z - m`` of its slots (a recursive prediction-error method: at the true q/r the
+    innovations are unpredictable from the past), and r as the running mean of the
+    innovations over their predicted variance. The estimate averages over about
+    ``1 / beta`` queries; in the accumulating regime that window should be longer than
+    the filter's own memory, about ``1 / sqrt(q / r)`` queries. :mod:`flsmem.theory`
+    gives the steady-state gain for a q/r and the EMA decay it implies.
     """
     _require(isinstance(q, (int, float)) and q >= 0, f"q must be a number >= 0, got {q!r}")
     _check_positive("r", r)

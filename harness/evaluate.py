@@ -39,8 +39,10 @@ from models.decoder import Decoder, init_memories, update_memories
 __all__ = [
     "CORRECTNESS",
     "POLICY_NAMES",
+    "TEACHER_FORCED",
     "make_policy",
     "evaluate_nll",
+    "evaluate_windows",
     "future_attention",
     "run_comparison",
 ]
@@ -51,35 +53,43 @@ LN2 = math.log(2.0)
 ORACLE_DISCOUNT = 0.98
 
 
-def _hard(logp, targets):
+def _hard(logp, targets, key):
     return (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)
 
 
-def _soft(logp, targets):
+def _soft(logp, targets, key):
     return jnp.exp(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0])
 
 
-def _confidence(logp, targets):
+def _confidence(logp, targets, key):
     return jnp.exp(jnp.max(logp, axis=-1))
 
 
-def _certainty(logp, targets):
+def _certainty(logp, targets, key):
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     return 1.0 - entropy / math.log(logp.shape[-1])
 
 
-def _ones(logp, targets):
+def _sampled(logp, targets, key):
+    emitted = jax.random.categorical(key, logp, axis=-1)
+    return jnp.exp(jnp.take_along_axis(logp, emitted[..., None], axis=-1)[..., 0])
+
+
+def _ones(logp, targets, key):
     return jnp.ones(targets.shape, jnp.float32)
 
 
-# Correctness weights: teacher-forced (need the target) and serving proxies (do not).
+# Correctness weights ``f(log_probs [.., V], targets [..], key) -> [..]`` in [0, 1]:
+# teacher-forced (they need the target) and serving proxies (they do not).
 CORRECTNESS: dict[str, Callable] = {
     "hard": _hard,  # argmax equals the target
     "soft": _soft,  # probability of the target
-    "confidence": _confidence,  # maximum probability (= the greedy emitted token's)
+    "confidence": _confidence,  # maximum probability (= the emitted token's, under greedy decoding)
     "certainty": _certainty,  # 1 - entropy / log V
+    "sampled": _sampled,  # probability of a token sampled at temperature 1 (the emitted one, when sampling)
     "none": _ones,
 }
+TEACHER_FORCED = ("hard", "soft")
 
 POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
@@ -125,14 +135,17 @@ def _split(model: Decoder):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "chunk", "correctness", "prefill", "collect"))
 def _run(graphdef, params, windows, futures, *, config, chunk, correctness, prefill, collect):
-    """Per-token NLL ``[W, T]`` of a window batch (and the attention, if collected)."""
+    """Per-token NLL and argmax hits ``[W, T]`` of a window batch (and the attention,
+    if collected)."""
     model = nnx.merge(graphdef, params)
     w, length = windows.shape
     steps = length - 1
     inputs, targets = windows[:, :-1], windows[:, 1:]
     memories = init_memories(model.cfg, config, w)
     weigh = CORRECTNESS[correctness]
-    nll_parts = []
+    nll_parts, hit_parts = [], []
+    # The sampled correctness signal draws the same tokens in every run of a window.
+    sample_key = jax.random.key(0)
 
     def gather_future(memories, t0, q):
         """Rows t0 .. t0+q of the future table read at each slot's position."""
@@ -150,7 +163,8 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
         logits, memories, attention = model(tokens, positions, memories)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-        return memories, attention, nll, weigh(logp, target)
+        hit = jnp.argmax(logp, axis=-1) == target
+        return memories, attention, (nll, hit), weigh(logp, target, jax.random.fold_in(sample_key, t0))
 
     start = 0
     if prefill:
@@ -161,7 +175,8 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
             return flsmem.evict(flsmem.smooth(flsmem.observe(memory, att, weight, fut)), budget=config.budget)
 
         memories = jax.lax.map(compress, (memories, attention, gather_future(memories, 0, prefill)))
-        nll_parts.append(nll)
+        nll_parts.append(nll[0])
+        hit_parts.append(nll[1])
         start = prefill
 
     def body(memories, t0):
@@ -170,10 +185,11 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
         return memories, (nll, attention if collect else None)
 
     starts = jnp.arange(start, steps, chunk, dtype=jnp.int32)
-    memories, (nll, attention) = jax.lax.scan(body, memories, starts)
+    memories, ((nll, hit), attention) = jax.lax.scan(body, memories, starts)
     nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
+    hit_parts.append(jnp.moveaxis(hit, 0, 1).reshape(w, -1))
     stats = jax.vmap(flsmem.summary)(memories)
-    return jnp.concatenate(nll_parts, axis=1), attention, stats
+    return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats
 
 
 def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: float = ORACLE_DISCOUNT) -> jax.Array:
@@ -184,7 +200,7 @@ def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: 
     steps = windows.shape[1] - 1
     config = flsmem.MemoryConfig(policy=P.full(), budget=steps, max_chunk=chunk)
     graphdef, params = _split(model)
-    _, attention, _ = _run(graphdef, params, jnp.asarray(windows), None, config=config, chunk=chunk,
+    _, _, attention, _ = _run(graphdef, params, jnp.asarray(windows), None, config=config, chunk=chunk,
                            correctness="none", prefill=0, collect=True)
     # [chunks, L, W, K, chunk, S]; the full cache keeps position p in slot p.
     a = jnp.moveaxis(attention, 0, 3)
@@ -205,7 +221,14 @@ def _discounted_future(attention, discount):
     return jnp.moveaxis(jnp.concatenate([f, jnp.zeros_like(rows[:1])], axis=0), 0, 3)
 
 
-def evaluate_nll(
+def evaluate_nll(model: Decoder, windows: np.ndarray, policy: P.Policy, budget: int, **kwargs) -> tuple[np.ndarray, dict]:
+    """Per-token negative log-likelihood (nats) ``[W, T]`` of ``windows [W, T + 1]``
+    under ``policy`` at ``budget``, and the memory summary; see :func:`evaluate_windows`."""
+    nll, _, stats = evaluate_windows(model, windows, policy, budget, **kwargs)
+    return nll, stats
+
+
+def evaluate_windows(
     model: Decoder,
     windows: np.ndarray,
     policy: P.Policy,
@@ -215,9 +238,14 @@ def evaluate_nll(
     correctness: str = "hard",
     prefill: int = 0,
     futures: jax.Array | None = None,
-) -> tuple[np.ndarray, dict]:
-    """Per-token negative log-likelihood (nats) ``[W, T]`` of ``windows [W, T + 1]``
-    under ``policy`` at ``budget``, and the memory summary (``[L, W]`` per figure)."""
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Teacher-forced evaluation of ``windows [W, T + 1]`` under ``policy`` at ``budget``.
+
+    Returns:
+      ``(nll, hit, stats)``: per-token negative log-likelihood (nats) ``[W, T]``, whether
+      the argmax prediction was the target ``[W, T]``, and the memory summary (``[L, W]``
+      per figure).
+    """
     steps = windows.shape[1] - 1
     if (steps - prefill) % chunk:
         raise ValueError(f"the scored length ({steps - prefill}) must be a multiple of evict_every ({chunk})")
@@ -234,9 +262,9 @@ def evaluate_nll(
     else:
         config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=chunk, max_chunk=chunk)
     graphdef, params = _split(model)
-    nll, _, stats = _run(graphdef, params, jnp.asarray(windows), futures if policy.needs_future else None,
-                         config=config, chunk=chunk, correctness=correctness, prefill=prefill, collect=False)
-    return np.asarray(nll), jax.device_get(stats)
+    nll, hit, _, stats = _run(graphdef, params, jnp.asarray(windows), futures if policy.needs_future else None,
+                              config=config, chunk=chunk, correctness=correctness, prefill=prefill, collect=False)
+    return np.asarray(nll), np.asarray(hit), jax.device_get(stats)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import numpy as np
 
 __all__ = ["add_arguments", "run", "load_model", "parse_budgets"]
 
-MODELS = ("tiny", "smollm2-135m")
+MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
 
 
 def load_model(name: str):
@@ -21,6 +21,10 @@ def load_model(name: str):
         from models.tiny import load_tiny
 
         return load_tiny()
+    if name == "tiny-tasks":
+        from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+
+        return load_tiny(TASKS_CHECKPOINT_DIR)
     if name == "smollm2-135m":
         from models.smollm2 import load_smollm2
 

@@ -24,9 +24,11 @@ import orbax.checkpoint as ocp
 from models.data import ByteTokenizer
 from models.decoder import TINY, Decoder, DecoderConfig
 
-__all__ = ["CHECKPOINT_DIR", "save_params", "load_params", "load_tiny"]
+__all__ = ["CHECKPOINT_DIR", "TASKS_CHECKPOINT_DIR", "save_params", "load_params", "load_tiny"]
 
 CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-austen"
+# The same architecture fine-tuned on the controlled recall tasks of models.tasks.
+TASKS_CHECKPOINT_DIR = CHECKPOINT_DIR.parent / "tiny-tasks"
 
 _PARAMS = "params"
 _CONFIG = "config.json"

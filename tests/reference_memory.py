@@ -54,8 +54,9 @@ class Item:
     mean: float = 0.0
     var: float = 0.0
     count: int = 0
-    last: float = 0.0
-    last_diff: float = 0.0
+    # Derivatives of mean and of var / r with respect to log(q / r) (adaptive only).
+    dmean: float = 0.0
+    dvar: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +251,10 @@ class Row:
         self.step = 0
         if rule.name == "kalman" and rule.p["adaptive"]:
             q, r = rule.p["q"], rule.p["r"]
-            # Moments of the measurement differences: variance q + 2r, lag-one
-            # covariance -r, started from the given q and r.
-            self.moments = [q + 2.0 * r, -r]
+            # The estimate: log(q / r) (kept in [1e-8, 1e4]), r, and the running mean
+            # of dmean^2, started from the given q and r.
+            log_x = min(max(math.log(max(q / r, 1e-30)), math.log(1e-8)), math.log(1e4))
+            self.estimate = [log_x, r, 0.0]
 
     # -- arrivals and queries
 
@@ -276,37 +278,54 @@ class Row:
 
     def _kalman_query(self) -> None:
         """Predict P += q, update with z: K = P / (P + r), m += K (z - m),
-        P = (1 - K) P; the first measurement sets m = z, P = r."""
+        P = (1 - K) P; the first measurement sets m = z, P = r.
+
+        Adaptive: each item also tracks dmean = d m / d theta, theta = log(q / r), from
+        the same recursion in units of r (P / r becomes K, so d(P / r) = dK, with
+        dK = (d(P / r) + q / r) / ((P + q + r) / r)^2). After the query theta moves by
+        beta * mean(innovation * dmean) / max(curvature, this query's mean(dmean^2)),
+        at most 1 either way, the curvature being the running mean of mean(dmean^2);
+        r by the running mean of innovation^2 / ((P + q + r) / r). Means are over the
+        items that had a prediction (count >= 1).
+        """
         rule = self.rule
         if rule.p["adaptive"]:
             # This query is filtered with the estimate made before it.
-            c0, c1 = self.moments
-            r = max(-c1, 1e-12)
-            q = max(c0 - 2.0 * r, 0.0)
+            log_x, r, _ = self.estimate
+            r = max(r, 1e-12)
+            q = math.exp(log_x) * r
         else:
             q, r = rule.p["q"], rule.p["r"]
-        squares, crosses = [], []
+        grads, infos, scaled = [], [], []
         for item in self.items.values():
             o = item.history[-1]
             z = _w(rule, o) * o.attention
             if item.count == 0:
-                item.mean, item.var, diff = z, r, 0.0
+                item.mean, item.var, item.dmean, item.dvar = z, r, 0.0, 0.0
             else:
                 predicted = item.var + q
-                gain = predicted / (predicted + r)
-                item.mean += gain * (z - item.mean)
+                spread = predicted + r
+                gain = predicted / spread
+                innovation = z - item.mean
+                grads.append(innovation * item.dmean)
+                infos.append(item.dmean ** 2)
+                scaled.append(innovation ** 2 * r / spread)
+                dgain = (item.dvar + q / r) * (r / spread) ** 2
+                item.mean += gain * innovation
                 item.var = (1.0 - gain) * predicted
-                diff = z - item.last
-            if item.count >= 2:  # this difference and the previous one are both real
-                squares.append(diff * diff)
-                crosses.append(diff * item.last_diff)
+                item.dmean = (1.0 - gain) * item.dmean + dgain * innovation
+                item.dvar = dgain
             item.count += 1
-            item.last, item.last_diff = z, diff
-        if rule.p["adaptive"] and squares:
+        if rule.p["adaptive"] and grads:
             beta = rule.p["beta"]
-            sq, cross = sum(squares) / len(squares), sum(crosses) / len(crosses)
-            self.moments = [(1 - beta) * self.moments[0] + beta * sq,
-                            (1 - beta) * self.moments[1] + beta * cross]
+            log_x, r_est, info = self.estimate
+            now = sum(infos) / len(infos)
+            info = (1 - beta) * info + beta * now
+            step = beta * (sum(grads) / len(grads)) / max(info, now, 1e-30)
+            step = min(max(step, -1.0), 1.0)
+            log_x = min(max(log_x + step, math.log(1e-8)), math.log(1e4))
+            r_est = (1 - beta) * r_est + beta * sum(scaled) / len(scaled)
+            self.estimate = [log_x, r_est, info]
 
     # -- scores and eviction
 

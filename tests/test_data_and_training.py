@@ -188,3 +188,27 @@ def test_load_tiny_scores_persuasion():
     tokens = tokenizer.encode(load_book("persuasion"))
     loss = evaluate(model, tokens, length=512, count=8, batch=8)
     assert bits_per_byte(loss) < SHIPPED_TEST_BITS_PER_BYTE + 0.1
+
+
+def test_task_training_starts_from_saved_parameters_with_fresh_symbol_embeddings(tmp_path):
+    """``--data tasks --init DIR --fresh-tokens '=@'``: the run starts from the saved
+    parameters but for the redrawn rows, and validation reports per-task accuracy."""
+    cfg = dataclasses.replace(SMALL, max_len=128)
+    start = Decoder(cfg, rngs=nnx.Rngs(5))
+    save_params(start, tmp_path / "init")
+    opts = small_options(tmp_path / "run", data="tasks", init=str(tmp_path / "init"), fresh_tokens="=@",
+                         length=128, steps=2, eval_every=2, eval_windows=2, task_eval=4)
+    from train.train_decoder import _fresh_embeddings
+
+    fresh = load_params(tmp_path / "init", cfg)
+    _fresh_embeddings(fresh, "=@", opts.seed)
+    before, after = np.asarray(start.embed.embedding.get_value()), np.asarray(fresh.embed.embedding.get_value())
+    changed = np.flatnonzero(np.any(before != after, axis=1))
+    assert changed.tolist() == [ord("="), ord("@")]
+    assert after[changed].std() == pytest.approx(before.std(), rel=0.5)
+    result = train(opts, cfg)
+    assert result.step == 2 and len(result.val) == 1
+    log = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert '"accuracy": {"passkey"' in log
+    with pytest.raises(ValueError, match="data must be 'text' or 'tasks'"):
+        TrainOptions(data="code")

@@ -18,6 +18,15 @@ What it does:
   (bit for bit the same parameters as a run that was never stopped);
 * ``--export DIR`` writes the final parameters alone, read back by
   :func:`models.tiny.load_tiny`.
+
+``--data tasks`` trains on the controlled recall tasks of :mod:`models.tasks` instead
+(prose of the train split with pairs and queries inserted), with the answer digits
+weighted ``1 + --answer-weight`` in the loss, usually starting from a text model given
+by ``--init``; validation then also reports each task's answer accuracy on Northanger
+Abbey. The shipped task model was made with::
+
+    python -m train.train_decoder --data tasks --init checkpoints/tiny-austen \
+        --export checkpoints/tiny-tasks  (and the settings in its README)
 """
 
 from __future__ import annotations
@@ -41,9 +50,10 @@ from tqdm.auto import tqdm
 
 from models.data import ByteTokenizer, eval_windows, load_split, random_windows
 from models.decoder import TINY, Decoder, DecoderConfig
-from models.tiny import save_params
+from models.tasks import LATE, TASKS, make_tasks, mixed_tasks
+from models.tiny import load_params, save_params
 
-__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "evaluate", "bits_per_byte", "main"]
+__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "evaluate", "task_accuracy", "bits_per_byte", "main"]
 
 # Outside the repository, so checkpoints never end up among tracked files.
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_decoder"
@@ -75,6 +85,17 @@ class TrainOptions:
         run into pieces; None runs to ``steps``.
       export: where to write the final parameters for ``load_tiny``; None writes none.
       progress: show the tqdm progress bar.
+      data: ``"text"`` (plain windows of the train split) or ``"tasks"`` (the controlled
+        recall tasks of :mod:`models.tasks` embedded in train-split prose).
+      init: start from the parameters saved in this folder (:func:`models.tiny.save_params`)
+        instead of a random initialisation; None starts from scratch.
+      answer_weight: extra loss weight of answer digits in ``"tasks"`` data (each answer
+        byte counts ``1 + answer_weight`` bytes).
+      task_eval: validation examples per task for the answer accuracy (``"tasks"`` only).
+      fresh_tokens: bytes whose embeddings are drawn afresh after ``init`` is loaded. The
+        task symbols never occur in the books, so a text model has learnt nearly the same
+        embedding for all of them (the softmax only ever pushed them down together); new
+        rows, as for tokens added to a vocabulary, tell them apart.
     """
 
     steps: int = 240
@@ -96,6 +117,11 @@ class TrainOptions:
     stop_at: int | None = None
     export: str | None = None
     progress: bool = True
+    data: str = "text"
+    init: str | None = None
+    answer_weight: float = 20.0
+    task_eval: int = 64
+    fresh_tokens: str = ""
 
     def __post_init__(self):
         for name in ("steps", "batch", "length", "save_every", "keep"):
@@ -108,12 +134,17 @@ class TrainOptions:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise ValueError(f"warmup must lie in [0, steps={self.steps}], got {self.warmup}")
+        if self.data not in ("text", "tasks"):
+            raise ValueError(f"data must be 'text' or 'tasks', got {self.data!r}")
+        if not self.answer_weight >= 0:
+            raise ValueError(f"answer_weight must be >= 0, got {self.answer_weight}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"stop_at must lie in [1, steps={self.steps}], got {self.stop_at}")
 
     def run_settings(self) -> dict[str, Any]:
         """The options that decide the trajectory: a resumed run must share them."""
-        keys = ("steps", "batch", "length", "lr", "warmup", "end_lr_ratio", "weight_decay", "clip", "seed")
+        keys = ("steps", "batch", "length", "lr", "warmup", "end_lr_ratio", "weight_decay", "clip", "seed",
+                "data", "init", "answer_weight", "fresh_tokens")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -162,32 +193,73 @@ def _optimizer(steps, lr, warmup, end_lr_ratio, weight_decay, clip) -> optax.Gra
     )
 
 
-def _next_byte_losses(graphdef, params, windows):
-    """Mean next-byte cross-entropy of each window: ``[B]`` from ``windows [B, T+1]``."""
+def _next_byte_losses(graphdef, params, windows, weights=None):
+    """Mean next-byte cross-entropy of each window: ``[B]`` from ``windows [B, T+1]``,
+    weighted per target by ``weights [B, T]`` when given."""
     logits, _, _ = nnx.merge(graphdef, params)(windows[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean(axis=-1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+    if weights is None:
+        return losses.mean(axis=-1)
+    return (losses * weights).sum(axis=-1) / weights.sum(axis=-1)
+
+
+def _fresh_embeddings(model: Decoder, tokens: str, seed: int) -> None:
+    """Redraw the embedding rows of ``tokens`` (ASCII characters) with the spread of the
+    existing rows."""
+    ids = np.frombuffer(tokens.encode("ascii"), np.uint8).astype(np.int32)
+    table = model.embed.embedding.get_value()
+    rows = jax.random.normal(jax.random.key(seed), (ids.size, table.shape[1]), table.dtype) * table.std()
+    model.embed.embedding.set_value(table.at[ids].set(rows))
+
+
+def _hits(graphdef, params, windows):
+    """``[B, T]``: the argmax prediction equals the next byte."""
+    logits, _, _ = nnx.merge(graphdef, params)(windows[:, :-1])
+    return logits.argmax(axis=-1) == windows[:, 1:]
+
+
+def task_accuracy(model: Decoder, batches, batch: int = 16) -> dict[str, float]:
+    """Full-context answer accuracy (every digit right) after the gap, per task.
+
+    Args:
+      model: the decoder.
+      batches: :class:`models.tasks.TaskBatch` values, one per task.
+      batch: windows per forward pass.
+    """
+    graphdef, params = nnx.split(model)
+    return _task_accuracy(jax.jit(functools.partial(_hits, graphdef)), params, batches, batch)
+
+
+def _task_accuracy(hits_fn, params, batches, batch) -> dict[str, float]:
+    out = {}
+    for tasks in batches:
+        hits = np.concatenate([np.asarray(hits_fn(params, tasks.tokens[i:i + batch]))
+                               for i in range(0, len(tasks.tokens), batch)])
+        out[tasks.kind] = float(tasks.accuracy(hits, LATE).mean())
+    return out
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(graphdef, optimizer: tuple) -> tuple[optax.GradientTransformation, Any, Any]:
-    """``(tx, train_step, window_losses)`` for a model structure and optimizer settings.
+def _compiled(graphdef, optimizer: tuple) -> tuple[optax.GradientTransformation, Any, Any, Any]:
+    """``(tx, train_step, window_losses, hits)`` for a model structure and optimizer settings.
 
     Cached, so runs with the same settings in one process (a resumed run, the tests)
     reuse the compiled step instead of tracing and compiling it again.
     """
     tx = _optimizer(*optimizer)
 
-    def loss_fn(params, windows):
-        return _next_byte_losses(graphdef, params, windows).mean()
+    def loss_fn(params, windows, weights):
+        return _next_byte_losses(graphdef, params, windows, weights).mean()
 
     @jax.jit
-    def train_step(params, opt_state, windows):
-        loss, grads = jax.value_and_grad(loss_fn)(params, windows)
+    def train_step(params, opt_state, windows, weights):
+        loss, grads = jax.value_and_grad(loss_fn)(params, windows, weights)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     window_losses = jax.jit(functools.partial(_next_byte_losses, graphdef))
-    return tx, train_step, window_losses
+    hits = jax.jit(functools.partial(_hits, graphdef))
+    return tx, train_step, window_losses, hits
 
 
 def evaluate(model: Decoder, tokens: np.ndarray, *, length: int, count: int | None, batch: int = 16) -> float:
@@ -245,10 +317,15 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
     workdir = Path(options.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
-    model = Decoder(cfg, rngs=nnx.Rngs(options.seed))
+    model = Decoder(cfg, rngs=nnx.Rngs(options.seed)) if options.init is None else load_params(options.init, cfg)
+    if options.fresh_tokens:
+        _fresh_embeddings(model, options.fresh_tokens, options.seed)
     graphdef, params = nnx.split(model, nnx.Param)
     optimizer = (options.steps, options.lr, options.warmup, options.end_lr_ratio, options.weight_decay, options.clip)
-    tx, train_step, losses_fn = _compiled(graphdef, optimizer)
+    tx, train_step, losses_fn, hits_fn = _compiled(graphdef, optimizer)
+    val_tasks = []
+    if options.data == "tasks":
+        val_tasks = [make_tasks(kind, val_tokens, options.task_eval, options.length, seed=0) for kind in TASKS]
     opt_state = tx.init(params)
     # The sampler's own generator, seeded apart from the parameters; its state is checkpointed.
     data_rng = np.random.default_rng([options.seed, 1])
@@ -294,8 +371,12 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
     def validate(step: int, count: int, bar) -> float:
         loss = _evaluate(losses_fn, params, val_tokens, options.length, count, options.batch)
         message = f"step {step}: validation loss {loss:.4f} ({bits_per_byte(loss):.3f} bits/byte)"
+        accuracy = _task_accuracy(hits_fn, params, val_tasks, options.batch) if val_tasks else {}
+        if accuracy:
+            message += "; answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
         (bar.write if bar is not None else print)(message)
-        log(step=step, split="validation", loss=loss, bits_per_byte=bits_per_byte(loss), windows=count)
+        log(step=step, split="validation", loss=loss, bits_per_byte=bits_per_byte(loss), windows=count,
+            accuracy=accuracy)
         return loss
 
     stop = options.steps if options.stop_at is None else options.stop_at
@@ -305,8 +386,13 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
     started = time.perf_counter()
     try:
         for step in range(start, stop):
-            windows = random_windows(train_tokens, options.batch, options.length, data_rng)
-            params, opt_state, loss = train_step(params, opt_state, windows)
+            if options.data == "tasks":
+                windows, answer = mixed_tasks(train_tokens, options.batch, options.length, data_rng)
+                weights = 1.0 + options.answer_weight * (answer > 0)
+            else:
+                windows = random_windows(train_tokens, options.batch, options.length, data_rng)
+                weights = np.ones((options.batch, options.length))
+            params, opt_state, loss = train_step(params, opt_state, windows, weights.astype(np.float32))
             done = step + 1
             train_losses.append((done, float(loss)))
             bar.update(1)
@@ -333,6 +419,12 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
         final["test"] = _evaluate(losses_fn, params, test_tokens, options.length, count, options.batch)
         print(f"step {stop}: test loss {final['test']:.4f} ({bits_per_byte(final['test']):.3f} bits/byte)")
         log(step=stop, split="test", loss=final["test"], bits_per_byte=bits_per_byte(final["test"]), windows=count)
+        if val_tasks:
+            test_tasks = [make_tasks(kind, test_tokens, options.task_eval, options.length, seed=0) for kind in TASKS]
+            accuracy = _task_accuracy(hits_fn, params, test_tasks, options.batch)
+            print(f"step {stop}: test answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items()))
+            log(step=stop, split="test", accuracy=accuracy)
+            final.update({f"test_accuracy_{k}": v for k, v in accuracy.items()})
     metrics.close()
 
     model = nnx.merge(graphdef, params)
@@ -368,6 +460,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step; the schedule still follows --steps")
     p.add_argument("--export", default=None, metavar="DIR", help="write the final parameters here for load_tiny")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    p.add_argument("--data", default=defaults.data, choices=("text", "tasks"),
+                   help="plain prose, or the controlled recall tasks of models.tasks")
+    p.add_argument("--init", default=None, metavar="DIR", help="start from parameters saved here (else random)")
+    p.add_argument("--answer-weight", type=float, default=defaults.answer_weight,
+                   help="extra loss weight of answer digits (--data tasks)")
+    p.add_argument("--fresh-tokens", default=defaults.fresh_tokens,
+                   help="characters whose embeddings are redrawn after --init (the task symbols)")
+    p.add_argument("--task-eval", type=int, default=defaults.task_eval,
+                   help="validation examples per task for the answer accuracy (--data tasks)")
     return p
 
 

@@ -1,0 +1,199 @@
+"""Controlled recall tasks embedded in real prose, for the regime map.
+
+Each example is one window of ``length + 1`` bytes of Austen text (the same byte format
+as :mod:`models.data`) with short structured insertions:
+
+* a *pair* ``kqz:902`` binds a key (three random lowercase letters) to a value (digits);
+* a *query* ``=kqz:902`` asks for the value of ``kqz``; the digits after ``=kqz:`` are
+  the answer the model must produce;
+* a *repeat* ``=@@@:902`` asks for the model's own previous answer, whatever it was
+  (``@@@`` stands for "the key you were last asked").
+
+``=`` and ``@`` never occur in the books, so queries cannot be confused with prose.
+Keys are several letters long because a tiny model matches a context of a few tokens
+far more precisely than a single rare symbol.
+
+Three tasks:
+
+* ``passkey``: one 5-digit pair at a random depth of the window, queried at the end;
+* ``recall`` (multi-query associative recall): six pairs near the start, three of them
+  queried about a third of the way in, and the same three queried again, in another
+  order, at the end, after a gap of prose;
+* ``repeat`` (endogenous reuse): six pairs near the start, one of them queried a third
+  of the way in, and at the end a repeat query that asks for *that* answer again. What
+  must survive the gap is decided by the model's earlier output: the answer it gave
+  (or the one pair it used), not the five pairs it never needed.
+
+The last answer of every task ends the window, so the gap between an item's use and its
+reuse is most of the window. Evaluation examples are cut from held-out books; training
+examples from the training split (see :data:`models.data.SPLITS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["TASKS", "KEY_LETTERS", "BIND", "QUERY", "REPEAT", "SYMBOLS", "EARLY", "LATE", "TaskBatch", "make_tasks", "mixed_tasks"]
+
+TASKS = ("passkey", "recall", "repeat")
+KEY_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+KEY_LENGTH = 3
+BIND = ":"
+QUERY = "="
+REPEAT = "@" * KEY_LENGTH  # the key of a repeat query: "your previous answer"
+# The symbols the tasks add to the text; neither occurs in the books.
+SYMBOLS = "=@"
+# Codes of the ``answer`` mask: which targets are answers, and of which kind.
+EARLY, LATE = 1, 2
+PAIRS = 6
+QUERIES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskBatch:
+    """Examples of one task.
+
+    Attributes:
+      kind: the task's name (one of :data:`TASKS`).
+      tokens: ``[N, T + 1]`` int32 bytes; inputs are ``tokens[:, :-1]``, targets
+        ``tokens[:, 1:]``.
+      answer: ``[N, T]`` int8 over *targets*: :data:`EARLY` for the digits of a first
+        query, :data:`LATE` for those of the queries after the gap (the ones scored),
+        0 for everything else.
+      group: ``[N, T]`` int32 over targets: which answer a digit belongs to (digits of
+        one query share a group, numbered within the example), -1 elsewhere.
+    """
+
+    kind: str
+    tokens: np.ndarray
+    answer: np.ndarray
+    group: np.ndarray
+
+    def accuracy(self, hit: np.ndarray, code: int = LATE) -> np.ndarray:
+        """Per-example fraction of the answers of kind ``code`` whose every digit was hit.
+
+        Args:
+          hit: ``[N, T]`` bool over targets: the prediction at that target was right.
+          code: :data:`LATE` (scored after the gap) or :data:`EARLY`.
+        """
+        hit = np.asarray(hit)
+        if hit.shape != self.answer.shape:
+            raise ValueError(f"hit must have shape {self.answer.shape} (examples, targets), got {hit.shape}")
+        scores = []
+        for row_hit, row_answer, row_group in zip(hit, self.answer, self.group):
+            groups = np.unique(row_group[row_answer == code])
+            if groups.size == 0:
+                raise ValueError(f"an example of {self.kind!r} has no answers of code {code}")
+            scores.append(np.mean([row_hit[row_group == g].all() for g in groups]))
+        return np.asarray(scores)
+
+
+def _digits(rng: np.random.Generator, n: int) -> str:
+    return "".join(str(d) for d in rng.integers(0, 10, size=n))
+
+
+def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator):
+    """One window: filler text with the task's insertions, and its answer codes."""
+    keys = []
+    while len(keys) < PAIRS:
+        key = "".join(rng.choice(list(KEY_LETTERS), size=KEY_LENGTH))
+        if key not in keys:
+            keys.append(key)
+    # Segments of (text, code): code 0 for context, EARLY/LATE for an answer's digits.
+    if kind == "passkey":
+        value = _digits(rng, 5)
+        head = [(f" {keys[0]}{BIND}{value} ", 0)]
+        depth = rng.uniform(0.05, 0.55)
+        middle: list[tuple[str, int]] = []
+        tail = [(f" {QUERY}{keys[0]}{BIND}", 0), (value, LATE)]
+    elif kind in ("recall", "repeat"):
+        values = [_digits(rng, 3) for _ in keys]
+        head = [(" " + " ".join(k + BIND + v for k, v in zip(keys, values)) + " ", 0)]
+        depth = rng.uniform(0.02, 0.1)
+        asked = rng.choice(PAIRS, size=QUERIES if kind == "recall" else 1, replace=False)
+        middle = []
+        for i in asked:
+            middle += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], EARLY)]
+        middle.append((" ", 0))
+        if kind == "recall":
+            tail = []
+            for i in rng.permutation(asked):
+                tail += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], LATE)]
+        else:
+            tail = [(f" {QUERY}{REPEAT}{BIND}", 0), (values[asked[0]], LATE)]
+    elif kind == "drill":
+        # Training only: every pair queried right away, in another order; many lookups
+        # per window teach the lookup faster than the sparse tasks alone.
+        values = [_digits(rng, 3) for _ in keys]
+        head = [(" " + " ".join(k + BIND + v for k, v in zip(keys, values)) + " ", 0)]
+        depth = rng.uniform(0.0, 0.2)
+        middle = []
+        tail = []
+        for i in rng.permutation(PAIRS):
+            tail += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], LATE)]
+    else:
+        raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
+
+    inserted = sum(len(s) for s, _ in head + middle + tail)
+    filler_total = length + 1 - inserted
+    start = rng.integers(0, text.size - filler_total)
+    filler = text[start:start + filler_total]
+    cut1 = int(depth * (length + 1))
+    cut2 = int(rng.uniform(0.28, 0.38) * (length + 1)) - sum(len(s) for s, _ in head) if middle else cut1
+    cut2 = max(cut2, cut1)
+    pieces = [(filler[:cut1], 0)] + head + [(filler[cut1:cut2], 0)] + middle + [(filler[cut2:], 0)] + tail
+
+    tokens, codes, groups = [], [], []
+    group = -1
+    for piece, code in pieces:
+        ids = piece if isinstance(piece, np.ndarray) else np.frombuffer(piece.encode("ascii"), np.uint8)
+        tokens.append(ids.astype(np.int32))
+        if code:
+            group += 1
+        codes.append(np.full(len(ids), code, np.int8))
+        groups.append(np.full(len(ids), group if code else -1, np.int32))
+    tokens, codes, groups = np.concatenate(tokens), np.concatenate(codes), np.concatenate(groups)
+    assert tokens.size == length + 1, (kind, tokens.size)
+    # Codes are per token; the mask is over targets (token j is the target of input j - 1).
+    return tokens, codes[1:], groups[1:]
+
+
+def make_tasks(kind: str, text: np.ndarray, count: int, length: int, seed: int) -> TaskBatch:
+    """``count`` examples of task ``kind`` cut from ``text`` (1-D byte ids), reproducibly.
+
+    Args:
+      kind: one of :data:`TASKS`.
+      text: byte ids of the prose to embed the task in.
+      count: examples (N).
+      length: input length T; each example has ``T + 1`` tokens.
+      seed: the examples are a function of ``(kind, text, count, length, seed)``.
+    """
+    if kind not in TASKS:
+        raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if length < 128:
+        raise ValueError(f"length must be >= 128 to leave room for prose around the task, got {length}")
+    text = np.asarray(text)
+    if text.ndim != 1 or text.size < 2 * length:
+        raise ValueError(f"text must be 1-D byte ids with at least {2 * length} entries, got shape {text.shape}")
+    rng = np.random.default_rng([seed, TASKS.index(kind)])
+    rows = [_example(kind, text, length, rng) for _ in range(count)]
+    tokens, answer, group = (np.stack(x) for x in zip(*rows))
+    return TaskBatch(kind, tokens, answer, group)
+
+
+def mixed_tasks(text: np.ndarray, count: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A training batch: ``count`` examples, half of them drawn uniformly from
+    :data:`TASKS`, half *drills* (six pairs, each queried right after them: many
+    lookups per window, which teach the lookup much faster than the tasks alone).
+
+    Returns:
+      ``(tokens [N, T + 1], answer [N, T])`` with answer codes as in :class:`TaskBatch`.
+    """
+    kinds = [TASKS[rng.integers(len(TASKS))] if rng.random() < 0.5 else "drill" for _ in range(count)]
+    rows = [_example(kind, np.asarray(text), length, rng) for kind in kinds]
+    tokens, answer, _ = (np.stack(x) for x in zip(*rows))
+    return tokens, answer
