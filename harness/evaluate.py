@@ -189,6 +189,7 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
     nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
     hit_parts.append(jnp.moveaxis(hit, 0, 1).reshape(w, -1))
     stats = jax.vmap(flsmem.summary)(memories)
+    stats["held"] = jnp.where(memories.valid, memories.position, -1)  # [L, W, K, S]
     return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats
 
 
@@ -244,7 +245,8 @@ def evaluate_windows(
     Returns:
       ``(nll, hit, stats)``: per-token negative log-likelihood (nats) ``[W, T]``, whether
       the argmax prediction was the target ``[W, T]``, and the memory summary (``[L, W]``
-      per figure).
+      per figure) with ``stats["held"]``, the positions each memory holds at the end
+      ``[L, W, K, S]`` (-1 for a free slot).
     """
     steps = windows.shape[1] - 1
     if (steps - prefill) % chunk:

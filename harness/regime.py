@@ -26,6 +26,7 @@ import dataclasses
 import json
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
@@ -36,9 +37,10 @@ from flsmem import policies as P
 __all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "main"]
 
 MAP_POLICIES = ("oracle", "rmm", "h2o", "tova", "streaming_llm", "snapkv", "ema", "kalman")
+RETENTION_POLICIES = ("oracle", "rmm", "h2o")
+ITEMS = ("early answer", "pair used", "pair unused")
 LAGS = (0, 4, 16, 64, 256)
 SIGNALS = ("hard", "soft", "confidence", "certainty", "sampled", "none")
-CONTEXT = 512
 CHUNK = 16
 
 
@@ -50,36 +52,45 @@ class Plan:
       tasks: controlled tasks (names from :data:`models.tasks.TASKS`).
       seeds: independent draws of task examples; spreads are over these.
       examples: task examples per seed.
-      budgets: memory budgets of the map (tokens per layer and KV head).
+      task_context, text_context: tokens per window of the tasks and of the prose.
+      fractions: memory budgets of the map, as fractions of the context (the budget is
+        the tokens kept per layer and KV head).
       text_windows: windows of held-out prose per natural-text model.
       text_models: natural-text models (``tiny``, ``smollm2-135m``).
       lag_settings: settings of the lag sweep (task names and ``text:tiny``).
-      lag_budgets: budgets of the lag sweep.
-      signal_settings, signal_budgets: the same for the correctness signals.
+      lag_fractions: budgets of the lag sweep.
+      signal_settings, signal_fractions: the same for the correctness signals.
+      retention_settings, retention_fractions: tasks and budgets at which to record
+        which items the memories still hold when the last query comes.
     """
 
     tasks: tuple[str, ...]
     seeds: tuple[int, ...]
     examples: int
-    budgets: tuple[int, ...]
+    task_context: int
+    text_context: int
+    fractions: tuple[float, ...]
     text_windows: int
     text_models: tuple[str, ...]
     lag_settings: tuple[str, ...]
-    lag_budgets: tuple[int, ...]
+    lag_fractions: tuple[float, ...]
     signal_settings: tuple[str, ...]
-    signal_budgets: tuple[int, ...]
+    signal_fractions: tuple[float, ...]
+    retention_settings: tuple[str, ...] = ()
+    retention_fractions: tuple[float, ...] = ()
 
 
 FULL = Plan(
-    tasks=("passkey", "recall", "repeat"), seeds=(0, 1, 2), examples=32, budgets=(32, 64, 128, 256),
-    text_windows=8, text_models=("tiny", "smollm2-135m"),
-    lag_settings=("recall", "repeat", "text:tiny"), lag_budgets=(64, 128, 256),
-    signal_settings=("recall", "repeat", "text:tiny"), signal_budgets=(64,),
+    tasks=("passkey", "recall", "repeat"), seeds=(0, 1, 2), examples=32, task_context=256, text_context=512,
+    fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2), text_windows=8, text_models=("tiny", "smollm2-135m"),
+    lag_settings=("recall", "repeat", "text:tiny"), lag_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
+    signal_settings=("recall", "repeat", "text:tiny"), signal_fractions=(1 / 8,),
+    retention_settings=("recall", "repeat"), retention_fractions=(1 / 8, 1 / 2),
 )
 QUICK = Plan(
-    tasks=("repeat",), seeds=(3,), examples=48, budgets=(64,),
-    text_windows=4, text_models=("tiny",),
-    lag_settings=(), lag_budgets=(), signal_settings=(), signal_budgets=(),
+    tasks=("repeat",), seeds=(3,), examples=48, task_context=256, text_context=512,
+    fractions=(1 / 8,), text_windows=4, text_models=("tiny",),
+    lag_settings=(), lag_fractions=(), signal_settings=(), signal_fractions=(),
 )
 
 
@@ -105,6 +116,7 @@ class _Setting:
     def __init__(self, name: str, model, windows: np.ndarray, score: Callable, higher_is_better: bool,
                  groups: np.ndarray):
         self.name, self.model, self.windows = name, model, windows
+        self.context = windows.shape[1] - 1
         self.score, self.higher_is_better, self.groups = score, higher_is_better, groups
         self._futures = None
 
@@ -132,7 +144,7 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
     from models.tasks import LATE, make_tasks
 
     text = ByteTokenizer().encode(load_split("test"))
-    batches = [make_tasks(kind, text, plan.examples, CONTEXT, seed=seed) for seed in plan.seeds]
+    batches = [make_tasks(kind, text, plan.examples, plan.task_context, seed=seed) for seed in plan.seeds]
     tokens = np.concatenate([b.tokens for b in batches])
     groups = np.repeat(np.arange(len(batches)), plan.examples)
 
@@ -140,7 +152,9 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
         return np.concatenate([b.accuracy(hit[i * plan.examples:(i + 1) * plan.examples], LATE)
                                for i, b in enumerate(batches)])
 
-    return _Setting(kind, model, tokens, score, True, groups)
+    setting = _Setting(kind, model, tokens, score, True, groups)
+    setting.answer = np.concatenate([b.answer for b in batches])
+    return setting
 
 
 def _text_setting(name: str, plan: Plan) -> _Setting:
@@ -148,14 +162,19 @@ def _text_setting(name: str, plan: Plan) -> _Setting:
     from models.data import load_book
 
     model, tokenizer = _text_model(name)
-    windows = make_windows(tokenizer.encode(load_book("persuasion")), CONTEXT, plan.text_windows)
+    windows = make_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows)
     return _Setting(f"text:{name}", model, windows, lambda nll, hit: nll.mean(axis=1), False,
                     np.zeros(len(windows), np.int64))
 
 
-def _row(kind: str, setting: _Setting, policy: str, budget: int, measured: dict, **extra) -> dict:
-    return {"experiment": kind, "setting": setting.name, "policy": policy, "budget": budget,
+def _row(kind: str, setting: _Setting, policy: str, fraction: float, measured: dict, **extra) -> dict:
+    return {"experiment": kind, "setting": setting.name, "policy": policy, "fraction": fraction,
+            "budget": _budget(setting, fraction), "context": setting.context,
             "metric": "accuracy" if setting.higher_is_better else "nll", **measured, **extra}
+
+
+def _budget(setting: _Setting, fraction: float) -> int:
+    return int(round(fraction * setting.context))
 
 
 def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[dict]:
@@ -170,43 +189,130 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
     for make in settings:
         setting = make()
         progress(f"{setting.name}: full cache")
-        full = setting.measure(P.full(), CONTEXT)
-        rows.append(_row("map", setting, "full", CONTEXT, full))
-        for budget in plan.budgets:
+        full = setting.measure(P.full(), setting.context)
+        rows.append(_row("map", setting, "full", 1.0, full))
+        for fraction in plan.fractions:
+            budget = _budget(setting, fraction)
             for name in MAP_POLICIES:
                 progress(f"{setting.name}: {name} @ {budget}")
-                rows.append(_row("map", setting, name, budget, setting.measure(make_policy(name, budget), budget)))
+                rows.append(_row("map", setting, name, fraction, setting.measure(make_policy(name, budget), budget)))
         if setting.name in plan.lag_settings:
-            for budget in plan.lag_budgets:
+            for fraction in plan.lag_fractions:
+                budget = _budget(setting, fraction)
                 for lag in LAGS:
                     if lag >= budget:
                         continue
                     progress(f"{setting.name}: rmm(lag={lag}) @ {budget}")
-                    rows.append(_row("lag", setting, "rmm", budget, setting.measure(P.rmm(lag=lag), budget), lag=lag))
+                    measured = setting.measure(P.rmm(lag=lag), budget)
+                    rows.append(_row("lag", setting, "rmm", fraction, measured, lag=lag))
+                # The same protection without the correctness weights: h2o with no window.
+                progress(f"{setting.name}: h2o(recent=0) @ {budget}")
+                rows.append(_row("lag", setting, "h2o", fraction, setting.measure(P.h2o(), budget), lag=0))
         if setting.name in plan.signal_settings:
-            for budget in plan.signal_budgets:
+            for fraction in plan.signal_fractions:
+                budget = _budget(setting, fraction)
                 for signal in SIGNALS:
                     progress(f"{setting.name}: rmm[{signal}] @ {budget}")
                     measured = setting.measure(make_policy("rmm", budget), budget, correctness=signal)
-                    rows.append(_row("signal", setting, "rmm", budget, measured, signal=signal))
+                    rows.append(_row("signal", setting, "rmm", fraction, measured, signal=signal))
+        if setting.name in plan.retention_settings:
+            for fraction in plan.retention_fractions:
+                for name in RETENTION_POLICIES:
+                    progress(f"{setting.name}: what {name} holds @ {_budget(setting, fraction)}")
+                    for item, held in retention(setting, name, fraction).items():
+                        rows.append(_row("retention", setting, name, fraction, held, item=item))
         setting._futures = None  # free the oracle's table before the next setting
     return rows
 
 
-def winners(rows: list[dict]) -> dict[tuple[str, int], tuple[str, float]]:
-    """``(setting, budget) -> (best non-oracle policy, its margin over the runner-up)``
+def _item_positions(tokens: np.ndarray, answer: np.ndarray) -> dict[str, list[int]]:
+    """Positions, in one task example, of the digits of the early answers, of the pairs
+    those answers used, and of the pairs no early query used."""
+    from models.tasks import EARLY, PAIRS, QUERY
+
+    eq = ord(QUERY)
+    # "=K7": the digit after every "=" followed by an uppercase key; the first PAIRS are pairs.
+    statements = [i + 2 for i in range(len(tokens) - 2)
+                  if tokens[i] == eq and 65 <= tokens[i + 1] <= 90 and 48 <= tokens[i + 2] <= 57]
+    pairs = {int(tokens[i - 1]): i for i in statements[:PAIRS]}
+    early = [int(t) + 1 for t in np.flatnonzero(answer == EARLY)]  # target t is token t + 1
+    used = [pairs[int(tokens[i - 1])] for i in early]
+    return {"early answer": early, "pair used": used,
+            "pair unused": [i for i in pairs.values() if i not in used]}
+
+
+def retention(setting: _Setting, name: str, fraction: float) -> dict[str, dict]:
+    """Which items the memories of ``name`` hold when the last chunk (holding the late
+    answers) comes: for each kind of item, the fraction of (layer, KV head) memories
+    that hold it, averaged over items and examples (and per seed)."""
+    from harness.evaluate import evaluate_windows, make_policy
+
+    budget = _budget(setting, fraction)
+    windows = setting.windows[:, :-CHUNK]  # stop before the chunk of the late answers
+    futures = setting.futures()[..., :-CHUNK, :-CHUNK] if name == "oracle" else None
+    _, _, stats = evaluate_windows(setting.model, windows, make_policy(name, budget), budget, chunk=CHUNK,
+                                   futures=futures)
+    held = np.asarray(stats["held"])  # [L, W, K, S]
+    out = {}
+    for item in ITEMS:
+        per_window = []
+        for w in range(len(windows)):
+            positions = _item_positions(setting.windows[w], setting.answer[w])[item]
+            held_w = np.moveaxis(held[:, w], 0, 1).reshape(-1, held.shape[-1])  # [L * K, S]
+            per_window.append(np.mean([(held_w == p).any(axis=-1).mean() for p in positions]))
+        per_window = np.asarray(per_window)
+        out[item] = {"value": float(per_window.mean()),
+                     "per_seed": [float(per_window[setting.groups == g].mean()) for g in np.unique(setting.groups)]}
+    return out
+
+
+def winners(rows: list[dict]) -> dict[tuple[str, float], tuple[str, float]]:
+    """``(setting, budget fraction) -> (best non-oracle policy, its margin over the runner-up)``
     on the map; the margin is in the setting's metric (accuracy or nats). A tie for
     first place is named ``"tie"`` (margin 0)."""
     out = {}
-    cells = {(r["setting"], r["budget"]) for r in rows if r["experiment"] == "map" and r["policy"] != "full"}
-    for setting, budget in sorted(cells):
-        at = [r for r in rows if r["experiment"] == "map" and r["setting"] == setting and r["budget"] == budget
-              and r["policy"] not in ("oracle", "full")]
+    cells = {(r["setting"], r["fraction"]) for r in rows if r["experiment"] == "map" and r["policy"] != "full"}
+    for setting, fraction in sorted(cells):
+        at = [r for r in rows if r["experiment"] == "map" and r["setting"] == setting
+              and r["fraction"] == fraction and r["policy"] not in ("oracle", "full")]
         sign = 1.0 if at[0]["metric"] == "accuracy" else -1.0
         ranked = sorted(at, key=lambda r: -sign * r["value"])
         margin = sign * (ranked[0]["value"] - ranked[1]["value"])
-        out[(setting, budget)] = (ranked[0]["policy"] if margin > 0 else "tie", margin)
+        out[(setting, fraction)] = (ranked[0]["policy"] if margin > 0 else "tie", margin)
     return out
+
+
+def seed_margins(rows: list[dict]):
+    """``(task, fraction, [rmm - h2o per seed])`` for the accuracy settings of the map."""
+    at = {(r["setting"], r["policy"], r["fraction"]): r for r in rows if r["experiment"] == "map"}
+    for setting, policy, fraction in sorted(at):
+        if policy == "rmm" and at[(setting, policy, fraction)]["metric"] == "accuracy":
+            mine, other = at[(setting, "rmm", fraction)], at[(setting, "h2o", fraction)]
+            yield setting, fraction, [a - b for a, b in zip(mine["per_seed"], other["per_seed"])]
+
+
+def budget_multiples(rows: list[dict]):
+    """For each setting and budget fraction f: rmm at f against h2o at 2f and 4f, as
+    ``(setting, f, "rmm x | h2o@2B y (yes/no) | h2o@4B z (yes/no)")``; "yes" when rmm is
+    at least as good (on text, within 0.001 nats)."""
+    at = {(r["setting"], r["policy"], r["fraction"]): r for r in rows if r["experiment"] == "map"}
+    for setting, policy, fraction in sorted(at):
+        if policy != "rmm":
+            continue
+        mine = at[(setting, "rmm", fraction)]
+        accuracy = mine["metric"] == "accuracy"
+        parts = [f"rmm {mine['value']:.4f}"]
+        for k in (2, 4):
+            other = at.get((setting, "h2o", fraction * k)) or (at.get((setting, "full", 1.0)) if fraction * k >= 1 else None)
+            if other is None:
+                continue
+            ok = mine["value"] >= other["value"] if accuracy else mine["value"] <= other["value"] + 0.001
+            parts.append(f"h2o@{k}B {other['value']:.4f} ({'yes' if ok else 'no'})")
+        yield setting, fraction, " | ".join(parts)
+
+
+def _fraction(f: float) -> str:
+    return str(Fraction(f).limit_denominator(64))
 
 
 def format_tables(rows: list[dict]) -> str:
@@ -238,11 +344,17 @@ def format_tables(rows: list[dict]) -> str:
             for lag in LAGS:
                 cells = []
                 for b in lag_budgets:
-                    r = next((r for r in lags if r["lag"] == lag and r["budget"] == b), None)
+                    r = next((r for r in lags if r["policy"] == "rmm" and r["lag"] == lag and r["budget"] == b), None)
                     value = "" if r is None else (f"{r['value']:.3f}" if metric == "accuracy"
                                                   else f"{r['value'] - full['value']:+.4f}")
                     cells.append(f" | {value:>9}")
                 lines.append(f"{lag:<6}" + "".join(cells))
+            cells = []
+            for b in lag_budgets:
+                r = next(r for r in lags if r["policy"] == "h2o" and r["budget"] == b)
+                cells.append(f" | {r['value'] if metric == 'accuracy' else r['value'] - full['value']:>+9.4f}")
+            lines.append("h2o, no window (H=0 without correctness weights):")
+            lines.append(f"{'':<6}" + "".join(cells))
         signals = [r for r in mine if r["experiment"] == "signal"]
         if signals:
             lines += ["", "correctness signals, rmm (difference from the teacher-forced hard signal):"]
@@ -251,10 +363,28 @@ def format_tables(rows: list[dict]) -> str:
                 for r in (r for r in signals if r["budget"] == b):
                     shown = r["value"] if metric == "accuracy" else r["value"] - full["value"]
                     lines.append(f"  B={b:<4} {r['signal']:<11} {shown:+.4f}  ({r['value'] - hard['value']:+.4f})")
+    kept = [r for r in rows if r["experiment"] == "retention"]
+    if kept:
+        lines += ["", "## what the memories hold when the last query comes (fraction of layer x KV-head memories)", ""]
+        for setting, fraction in dict.fromkeys((r["setting"], r["fraction"]) for r in kept):
+            lines.append(f"{setting} B={_fraction(fraction)}: " + " | ".join(
+                f"{name}: " + ", ".join(f"{r['item']} {r['value']:.2f}" for r in kept
+                                        if r["setting"] == setting and r["fraction"] == fraction and r["policy"] == name)
+                for name in RETENTION_POLICIES))
+    margins = list(seed_margins(rows))
+    if margins:
+        lines += ["", "## rmm - h2o at equal budget, accuracy per seed (mean ± sd over seeds)", ""]
+        for setting, fraction, per_seed in margins:
+            shown = " ".join(f"{m:+.3f}" for m in per_seed)
+            spread = np.std(per_seed, ddof=1) if len(per_seed) > 1 else 0.0
+            lines.append(f"{setting:<18} B={_fraction(fraction):<5} {np.mean(per_seed):+.3f} ±{spread:.3f}  ({shown})")
+    lines += ["", "## does rmm at budget B match h2o at 2B and 4B? (map rows; value of rmm@B, h2o@2B, h2o@4B)", ""]
+    for setting, fraction, line in budget_multiples(rows):
+        lines.append(f"{setting:<18} B={_fraction(fraction):<5} {line}")
     table = winners(rows)
     lines += ["", "## winners (best policy other than the oracle, margin over the runner-up)", ""]
-    for (setting, budget), (name, margin) in table.items():
-        lines.append(f"{setting:<18} B={budget:<4} {name:<14} {margin:+.4f}")
+    for (setting, fraction), (name, margin) in table.items():
+        lines.append(f"{setting:<18} B={_fraction(fraction):<5} {name:<14} {margin:+.4f}")
     return "\n".join(lines).lstrip("\n")
 
 
@@ -267,27 +397,27 @@ def plot_map(rows: list[dict], path: str) -> None:
 
     table = winners(rows)
     settings = list(dict.fromkeys(s for s, _ in table))
-    budgets = sorted({b for _, b in table})
+    fractions = sorted({f for _, f in table})
     names = [n for n in MAP_POLICIES if n != "oracle"]
     colours = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(1.6 * len(budgets) + 3, 0.7 * len(settings) + 1.5))
+    fig, ax = plt.subplots(figsize=(1.6 * len(fractions) + 3, 0.7 * len(settings) + 1.5))
     for i, setting in enumerate(settings):
-        for j, budget in enumerate(budgets):
-            if (setting, budget) not in table:
+        for j, fraction in enumerate(fractions):
+            if (setting, fraction) not in table:
                 continue
-            name, margin = table[(setting, budget)]
+            name, margin = table[(setting, fraction)]
             unit = "pts" if next(r["metric"] for r in rows if r["setting"] == setting) == "accuracy" else "nats"
             shown = 100 * margin if unit == "pts" else margin
             colour = "lightgrey" if name == "tie" else colours(names.index(name))
             ax.add_patch(plt.Rectangle((j, i), 1, 1, color=colour, alpha=0.75))
             label = name if name == "tie" else f"{name}\n+{shown:.3g} {unit}"
             ax.text(j + 0.5, i + 0.5, label, ha="center", va="center", fontsize=8)
-    ax.set_xlim(0, len(budgets))
+    ax.set_xlim(0, len(fractions))
     ax.set_ylim(0, len(settings))
-    ax.set_xticks(np.arange(len(budgets)) + 0.5, [str(b) for b in budgets])
+    ax.set_xticks(np.arange(len(fractions)) + 0.5, [_fraction(f) for f in fractions])
     ax.set_yticks(np.arange(len(settings)) + 0.5, settings)
     ax.invert_yaxis()
-    ax.set_xlabel(f"budget (tokens kept per layer and KV head, of {CONTEXT})")
+    ax.set_xlabel("budget (fraction of the context kept per layer and KV head)")
     ax.set_title("winning policy (oracle aside) and its margin over the runner-up", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -333,6 +463,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small subset that reproduces the ordering")
     parser.add_argument("--out", default="results/regime", help="folder for regime.json, the tables and plots")
+    parser.add_argument("--render", action="store_true",
+                        help="measure nothing: rewrite the tables and plots from the JSON already in --out")
 
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
@@ -340,14 +472,19 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "quick" if args.quick else "regime"
-    begin = time.perf_counter()
-    rows = run(plan, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    elapsed = time.perf_counter() - begin
+    if args.render:
+        saved = json.loads((out / f"{stem}.json").read_text())
+        rows, elapsed = saved["rows"], saved["seconds"]
+    else:
+        begin = time.perf_counter()
+        rows = run(plan, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+        elapsed = time.perf_counter() - begin
     text = f"flsmem regime{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "seconds": elapsed,
-                                                  "rows": rows}, indent=1) + "\n")
+    if not args.render:
+        (out / f"{stem}.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "seconds": elapsed,
+                                                      "rows": rows}, indent=1) + "\n")
     plot_map(rows, str(out / f"{stem}-map.png"))
     plot_curves(rows, str(out / f"{stem}-curves.png"))
     return rows

@@ -3,19 +3,22 @@
 Each example is one window of ``length + 1`` bytes of Austen text (the same byte format
 as :mod:`models.data`) with short structured insertions:
 
-* a *pair* ``kqz:902`` binds a key (three random lowercase letters) to a value (digits);
-* a *query* ``=kqz:902`` asks for the value of ``kqz``; the digits after ``=kqz:`` are
-  the answer the model must produce;
-* a *repeat* ``=@@@:902`` asks for the model's own previous answer, whatever it was
-  (``@@@`` stands for "the key you were last asked").
+* a *pair* ``=K7`` binds a key (an uppercase letter) to a value (a digit);
+* a *query* ``=K7`` asks for the value of ``K``: written like the pair, but the digit
+  after ``=K`` is now the answer the model must produce;
+* a *repeat* ``=@7`` asks for the model's own previous answer, whatever it was (``@``
+  stands for "the key you were last asked").
 
 ``=`` and ``@`` never occur in the books, so queries cannot be confused with prose.
-Keys are several letters long because a tiny model matches a context of a few tokens
-far more precisely than a single rare symbol.
+The format is what a tiny byte model learns in minutes: a two-token cue that matches
+exactly (``=K``, with a key whose embedding is already well trained; the symbols absent
+from the books all share one learnt embedding) and a one-token answer. Longer keys and
+multi-digit values, which need a match over several tokens, were still near chance
+after a thousand steps.
 
 Three tasks:
 
-* ``passkey``: one 5-digit pair at a random depth of the window, queried at the end;
+* ``passkey``: one pair at a random depth of the window, queried at the end;
 * ``recall`` (multi-query associative recall): six pairs near the start, three of them
   queried about a third of the way in, and the same three queried again, in another
   order, at the end, after a gap of prose;
@@ -35,14 +38,12 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TASKS", "KEY_LETTERS", "BIND", "QUERY", "REPEAT", "SYMBOLS", "EARLY", "LATE", "TaskBatch", "make_tasks", "mixed_tasks"]
+__all__ = ["TASKS", "KEY_LETTERS", "QUERY", "REPEAT", "SYMBOLS", "EARLY", "LATE", "TaskBatch", "make_tasks", "mixed_tasks"]
 
 TASKS = ("passkey", "recall", "repeat")
-KEY_LETTERS = "abcdefghijklmnopqrstuvwxyz"
-KEY_LENGTH = 3
-BIND = ":"
+KEY_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 QUERY = "="
-REPEAT = "@" * KEY_LENGTH  # the key of a repeat query: "your previous answer"
+REPEAT = "@"  # the key of a repeat query: "your previous answer"
 # The symbols the tasks add to the text; neither occurs in the books.
 SYMBOLS = "=@"
 # Codes of the ``answer`` mask: which targets are answers, and of which kind.
@@ -96,43 +97,39 @@ def _digits(rng: np.random.Generator, n: int) -> str:
 
 def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator):
     """One window: filler text with the task's insertions, and its answer codes."""
-    keys = []
-    while len(keys) < PAIRS:
-        key = "".join(rng.choice(list(KEY_LETTERS), size=KEY_LENGTH))
-        if key not in keys:
-            keys.append(key)
+    keys = list(rng.choice(list(KEY_LETTERS), size=PAIRS, replace=False))
     # Segments of (text, code): code 0 for context, EARLY/LATE for an answer's digits.
     if kind == "passkey":
-        value = _digits(rng, 5)
-        head = [(f" {keys[0]}{BIND}{value} ", 0)]
+        value = _digits(rng, 1)
+        head = [(f" {QUERY}{keys[0]}{value} ", 0)]
         depth = rng.uniform(0.05, 0.55)
         middle: list[tuple[str, int]] = []
-        tail = [(f" {QUERY}{keys[0]}{BIND}", 0), (value, LATE)]
+        tail = [(f" {QUERY}{keys[0]}", 0), (value, LATE)]
     elif kind in ("recall", "repeat"):
-        values = [_digits(rng, 3) for _ in keys]
-        head = [(" " + " ".join(k + BIND + v for k, v in zip(keys, values)) + " ", 0)]
+        values = [_digits(rng, 1) for _ in keys]
+        head = [(" " + " ".join(QUERY + k + v for k, v in zip(keys, values)) + " ", 0)]
         depth = rng.uniform(0.02, 0.1)
         asked = rng.choice(PAIRS, size=QUERIES if kind == "recall" else 1, replace=False)
         middle = []
         for i in asked:
-            middle += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], EARLY)]
+            middle += [(f" {QUERY}{keys[i]}", 0), (values[i], EARLY)]
         middle.append((" ", 0))
         if kind == "recall":
             tail = []
             for i in rng.permutation(asked):
-                tail += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], LATE)]
+                tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
         else:
-            tail = [(f" {QUERY}{REPEAT}{BIND}", 0), (values[asked[0]], LATE)]
+            tail = [(f" {QUERY}{REPEAT}", 0), (values[asked[0]], LATE)]
     elif kind == "drill":
         # Training only: every pair queried right away, in another order; many lookups
         # per window teach the lookup faster than the sparse tasks alone.
-        values = [_digits(rng, 3) for _ in keys]
-        head = [(" " + " ".join(k + BIND + v for k, v in zip(keys, values)) + " ", 0)]
+        values = [_digits(rng, 1) for _ in keys]
+        head = [(" " + " ".join(QUERY + k + v for k, v in zip(keys, values)) + " ", 0)]
         depth = rng.uniform(0.0, 0.2)
         middle = []
         tail = []
         for i in rng.permutation(PAIRS):
-            tail += [(f" {QUERY}{keys[i]}{BIND}", 0), (values[i], LATE)]
+            tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
     else:
         raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
 

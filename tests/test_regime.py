@@ -14,19 +14,26 @@ FULL_RESULTS = Path(__file__).resolve().parents[1] / "results" / "regime" / "reg
 CLEAR = {"accuracy": 0.10, "nll": 0.005}
 
 
-def row(setting, policy, budget, value, metric="accuracy"):
-    return {"experiment": "map", "setting": setting, "policy": policy, "budget": budget, "metric": metric,
-            "value": value, "per_seed": [value]}
+def row(setting, policy, fraction, value, metric="accuracy"):
+    return {"experiment": "map", "setting": setting, "policy": policy, "fraction": fraction,
+            "budget": int(512 * fraction), "metric": metric, "value": value, "per_seed": [value]}
 
 
 def test_winners_and_ties():
-    rows = [row("repeat", "rmm", 64, 0.9), row("repeat", "h2o", 64, 0.6), row("repeat", "oracle", 64, 1.0),
-            row("repeat", "rmm", 128, 1.0), row("repeat", "h2o", 128, 1.0),
-            row("text", "rmm", 64, 2.01, "nll"), row("text", "h2o", 64, 2.00, "nll")]
+    rows = [row("repeat", "rmm", 1 / 8, 0.9), row("repeat", "h2o", 1 / 8, 0.6), row("repeat", "oracle", 1 / 8, 1.0),
+            row("repeat", "rmm", 1 / 4, 1.0), row("repeat", "h2o", 1 / 4, 1.0),
+            row("text", "rmm", 1 / 8, 2.01, "nll"), row("text", "h2o", 1 / 8, 2.00, "nll")]
     table = regime.winners(rows)
-    assert table[("repeat", 64)] == ("rmm", pytest.approx(0.3))  # the oracle is not a contender
-    assert table[("repeat", 128)] == ("tie", 0.0)
-    assert table[("text", 64)] == ("h2o", pytest.approx(0.01))  # lower NLL wins
+    assert table[("repeat", 1 / 8)] == ("rmm", pytest.approx(0.3))  # the oracle is not a contender
+    assert table[("repeat", 1 / 4)] == ("tie", 0.0)
+    assert table[("text", 1 / 8)] == ("h2o", pytest.approx(0.01))  # lower NLL wins
+    assert "repeat             B=1/8   rmm" in regime.format_tables(rows + [
+        dict(row("repeat", "full", 1.0, 1.0), budget=512)] + [
+        row("repeat", name, f, 0.5) for name in regime.MAP_POLICIES for f in (1 / 8, 1 / 4)
+        if name not in ("rmm", "h2o", "oracle")] + [
+        dict(row("text", "full", 1.0, 2.0, "nll"), budget=512)] + [
+        row("text", name, 1 / 8, 2.5, "nll") for name in regime.MAP_POLICIES if name not in ("rmm", "h2o")] + [
+        row("repeat", "oracle", 1 / 4, 1.0)])
 
 
 def clear_orderings(rows, setting, budget, metric):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from models.data import ByteTokenizer, load_split
-from models.tasks import BIND, EARLY, LATE, QUERY, REPEAT, TASKS, make_tasks, mixed_tasks
+from models.tasks import EARLY, LATE, QUERY, REPEAT, TASKS, make_tasks, mixed_tasks
 
 TOKENIZER = ByteTokenizer()
 TEXT = TOKENIZER.encode(load_split("validation"))
@@ -25,23 +25,22 @@ def test_layout_and_answers(kind):
     assert batch.tokens.shape == (8, 257) and batch.answer.shape == batch.group.shape == (8, 256)
     for row in range(8):
         text = TOKENIZER.decode(batch.tokens[row])
-        pairs = dict(re.findall(f" ([a-z]{{3}}){BIND}([0-9]+)", text.split(QUERY)[0]))
         late = answers(batch, row, LATE)
-        # The window ends with the last answer.
-        assert text.endswith(late[-1])
+        assert text.endswith(late[-1])  # the window ends with the last answer
+        # Pairs and queries are both written "=K7"; the pairs come first.
+        found = re.findall(f"{QUERY}([A-Z{REPEAT}])([0-9]+)", text)
         if kind == "passkey":
-            (key, value), = pairs.items()
-            assert late == [value] and len(value) == 5 and text.endswith(f"{QUERY}{key}{BIND}{value}")
+            (key, value), query = found
+            assert query == (key, value) and late == [value] and len(value) == 1
         elif kind == "recall":
-            asked = re.findall(f"{QUERY}([a-z]{{3}}){BIND}([0-9]+)", text)
-            assert len(pairs) == 6 and len(asked) == 6
-            assert all(pairs[k] == v for k, v in asked)
+            pairs, asked = dict(found[:6]), found[6:]
+            assert len(pairs) == 6 and len(asked) == 6 and all(pairs[k] == v for k, v in asked)
             assert answers(batch, row, EARLY) == [v for _, v in asked[:3]] and late == [v for _, v in asked[3:]]
             assert sorted(k for k, _ in asked[:3]) == sorted(k for k, _ in asked[3:])
         else:
-            (key, value), = re.findall(f"{QUERY}([a-z]{{3}}){BIND}([0-9]+)", text)
-            assert pairs[key] == value and answers(batch, row, EARLY) == [value]
-            assert late == [value] and text.endswith(f"{QUERY}{REPEAT}{BIND}{value}")
+            pairs, (key, value), repeat = dict(found[:6]), found[6], found[7]
+            assert len(found) == 8 and pairs[key] == value and answers(batch, row, EARLY) == [value]
+            assert repeat == (REPEAT, value) and late == [value] and text.endswith(f"{QUERY}{REPEAT}{value}")
         # The reuse comes after a gap: the late answer is in the last 3% of the window,
         # the early ones before 45% of it.
         positions = np.flatnonzero(batch.answer[row])
@@ -70,7 +69,7 @@ def test_accuracy_counts_whole_answers():
 def test_mixed_batch():
     tokens, answer = mixed_tasks(TEXT, 6, 128, np.random.default_rng(0))
     assert tokens.shape == (6, 129) and answer.shape == (6, 128)
-    assert ((answer == LATE).sum(axis=1) >= 3).all()
+    assert ((answer == LATE).sum(axis=1) >= 1).all()
 
 
 def test_bad_input():

@@ -23,10 +23,8 @@ What it does:
 (prose of the train split with pairs and queries inserted), with the answer digits
 weighted ``1 + --answer-weight`` in the loss, usually starting from a text model given
 by ``--init``; validation then also reports each task's answer accuracy on Northanger
-Abbey. The shipped task model was made with::
-
-    python -m train.train_decoder --data tasks --init checkpoints/tiny-austen \
-        --export checkpoints/tiny-tasks  (and the settings in its README)
+Abbey. ``checkpoints/tiny-tasks/README.md`` gives the two runs that made the shipped
+task model.
 """
 
 from __future__ import annotations
