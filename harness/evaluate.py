@@ -39,7 +39,6 @@ from models.decoder import Decoder, init_memories, update_memories
 __all__ = [
     "CORRECTNESS",
     "POLICY_NAMES",
-    "TEACHER_FORCED",
     "make_policy",
     "evaluate_nll",
     "evaluate_windows",
@@ -89,7 +88,6 @@ CORRECTNESS: dict[str, Callable] = {
     "sampled": _sampled,  # probability of a token sampled at temperature 1 (the emitted one, when sampling)
     "none": _ones,
 }
-TEACHER_FORCED = ("hard", "soft")
 
 POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
@@ -168,15 +166,15 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
 
     start = 0
     if prefill:
-        memories, attention, nll, weight = forward(memories, 0, prefill)
+        memories, attention, (nll, hit), weight = forward(memories, 0, prefill)
 
         def compress(xs):
             memory, att, fut = xs
             return flsmem.evict(flsmem.smooth(flsmem.observe(memory, att, weight, fut)), budget=config.budget)
 
         memories = jax.lax.map(compress, (memories, attention, gather_future(memories, 0, prefill)))
-        nll_parts.append(nll[0])
-        hit_parts.append(nll[1])
+        nll_parts.append(nll)
+        hit_parts.append(hit)
         start = prefill
 
     def body(memories, t0):

@@ -79,6 +79,21 @@ class Plan:
     retention_settings: tuple[str, ...] = ()
     retention_fractions: tuple[float, ...] = ()
 
+    def __post_init__(self):
+        from models.tasks import TASKS
+
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"tasks must be among {TASKS}, got {unknown}")
+        if self.tasks and (not self.seeds or self.examples < 1):
+            raise ValueError(f"tasks need seeds and examples >= 1, got seeds={self.seeds}, examples={self.examples}")
+        for name in ("task_context", "text_context"):
+            if getattr(self, name) < 1 or getattr(self, name) % CHUNK:
+                raise ValueError(f"{name} must be a positive multiple of {CHUNK}, got {getattr(self, name)}")
+        for name in ("fractions", "lag_fractions", "signal_fractions", "retention_fractions"):
+            if not all(0 < f < 1 for f in getattr(self, name)):
+                raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
+
 
 FULL = Plan(
     tasks=("passkey", "recall", "repeat"), seeds=(0, 1, 2), examples=32, task_context=256, text_context=512,
@@ -114,8 +129,8 @@ class _Setting:
     """
 
     def __init__(self, name: str, model, windows: np.ndarray, score: Callable, higher_is_better: bool,
-                 groups: np.ndarray):
-        self.name, self.model, self.windows = name, model, windows
+                 groups: np.ndarray, answer: np.ndarray | None = None):
+        self.name, self.model, self.windows, self.answer = name, model, windows, answer
         self.context = windows.shape[1] - 1
         self.score, self.higher_is_better, self.groups = score, higher_is_better, groups
         self._futures = None
@@ -152,9 +167,7 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
         return np.concatenate([b.accuracy(hit[i * plan.examples:(i + 1) * plan.examples], LATE)
                                for i, b in enumerate(batches)])
 
-    setting = _Setting(kind, model, tokens, score, True, groups)
-    setting.answer = np.concatenate([b.answer for b in batches])
-    return setting
+    return _Setting(kind, model, tokens, score, True, groups, np.concatenate([b.answer for b in batches]))
 
 
 def _text_setting(name: str, plan: Plan) -> _Setting:

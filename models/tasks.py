@@ -157,6 +157,17 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
     return tokens, codes[1:], groups[1:]
 
 
+def _checked(text, count: int, length: int) -> np.ndarray:
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if length < 128:
+        raise ValueError(f"length must be >= 128 to leave room for prose around the task, got {length}")
+    text = np.asarray(text)
+    if text.ndim != 1 or text.size < 2 * length:
+        raise ValueError(f"text must be 1-D byte ids with at least {2 * length} entries, got shape {text.shape}")
+    return text
+
+
 def make_tasks(kind: str, text: np.ndarray, count: int, length: int, seed: int) -> TaskBatch:
     """``count`` examples of task ``kind`` cut from ``text`` (1-D byte ids), reproducibly.
 
@@ -169,13 +180,7 @@ def make_tasks(kind: str, text: np.ndarray, count: int, length: int, seed: int) 
     """
     if kind not in TASKS:
         raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    if length < 128:
-        raise ValueError(f"length must be >= 128 to leave room for prose around the task, got {length}")
-    text = np.asarray(text)
-    if text.ndim != 1 or text.size < 2 * length:
-        raise ValueError(f"text must be 1-D byte ids with at least {2 * length} entries, got shape {text.shape}")
+    text = _checked(text, count, length)
     rng = np.random.default_rng([seed, TASKS.index(kind)])
     rows = [_example(kind, text, length, rng) for _ in range(count)]
     tokens, answer, group = (np.stack(x) for x in zip(*rows))
@@ -190,7 +195,8 @@ def mixed_tasks(text: np.ndarray, count: int, length: int, rng: np.random.Genera
     Returns:
       ``(tokens [N, T + 1], answer [N, T])`` with answer codes as in :class:`TaskBatch`.
     """
+    text = _checked(text, count, length)
     kinds = [TASKS[rng.integers(len(TASKS))] if rng.random() < 0.5 else "drill" for _ in range(count)]
-    rows = [_example(kind, np.asarray(text), length, rng) for kind in kinds]
+    rows = [_example(kind, text, length, rng) for kind in kinds]
     tokens, answer, _ = (np.stack(x) for x in zip(*rows))
     return tokens, answer

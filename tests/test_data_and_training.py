@@ -212,3 +212,5 @@ def test_task_training_starts_from_saved_parameters_with_fresh_symbol_embeddings
     assert '"accuracy": {"passkey"' in log
     with pytest.raises(ValueError, match="data must be 'text' or 'tasks'"):
         TrainOptions(data="code")
+    with pytest.raises(ValueError, match="fresh_tokens must be printable ASCII"):
+        TrainOptions(fresh_tokens="£")

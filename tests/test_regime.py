@@ -61,3 +61,14 @@ def test_quick_run_reproduces_the_ordering_of_the_full_run():
             assert (sign * (at[a] - at[b]) > 0) == a_first, (setting, budget, a, b, at[a], at[b])
             compared += 1
     assert compared >= 10, "too few clear orderings to check"
+
+
+def test_plan_rejects_bad_settings():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="tasks must be among"):
+        dataclasses.replace(regime.QUICK, tasks=("needle",))
+    with pytest.raises(ValueError, match="fractions must lie in"):
+        dataclasses.replace(regime.QUICK, fractions=(0.0,))
+    with pytest.raises(ValueError, match="task_context must be a positive multiple of 16"):
+        dataclasses.replace(regime.QUICK, task_context=250)

@@ -84,3 +84,10 @@ def test_bad_input():
     batch = make_tasks("recall", TEXT, 2, 200, seed=0)
     with pytest.raises(ValueError, match="hit must have shape"):
         batch.accuracy(np.ones((2, 10), bool))
+
+
+def test_mixed_batch_bad_input():
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        mixed_tasks(TEXT, 0, 128, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="length must be >= 128"):
+        mixed_tasks(TEXT, 2, 100, np.random.default_rng(0))

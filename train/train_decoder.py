@@ -134,6 +134,8 @@ class TrainOptions:
             raise ValueError(f"warmup must lie in [0, steps={self.steps}], got {self.warmup}")
         if self.data not in ("text", "tasks"):
             raise ValueError(f"data must be 'text' or 'tasks', got {self.data!r}")
+        if not (self.fresh_tokens.isascii() and self.fresh_tokens.isprintable()):
+            raise ValueError(f"fresh_tokens must be printable ASCII characters, got {self.fresh_tokens!r}")
         if not self.answer_weight >= 0:
             raise ValueError(f"answer_weight must be >= 0, got {self.answer_weight}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
