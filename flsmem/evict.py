@@ -17,7 +17,7 @@ from flsmem.kernels.topk import topk_mask
 from flsmem.state import MemoryState, age, present
 from flsmem.typing import Array, Bool, Float
 
-__all__ = ["evict", "priority", "protected"]
+__all__ = ["evict", "is_due", "priority", "protected"]
 
 
 def protected(state: MemoryState) -> Bool[Array, "B K S"]:
@@ -36,6 +36,18 @@ def priority(state: MemoryState) -> Float[Array, "B K S"]:
     here = present(state)
     keep_always = state.valid & (~here | protected(state))
     return jnp.where(keep_always, jnp.inf, jnp.where(here, state.score, -jnp.inf))
+
+
+def is_due(state: MemoryState, budget: int | None = None) -> Bool[Array, "B K"]:
+    """Rows that :func:`evict` with the same ``budget`` would evict now: with None,
+    those holding ``config.high_water`` present items; else those holding more than
+    ``budget``. Always False for a policy that never evicts."""
+    n_present = jnp.sum(present(state), axis=-1, dtype=jnp.int32)
+    if not state.config.policy.evicts:
+        return jnp.zeros(n_present.shape, jnp.bool_)
+    if budget is None:
+        return n_present >= state.config.high_water
+    return n_present > budget
 
 
 def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
@@ -71,12 +83,9 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         return state
     b, k, s = state.valid.shape
     here = present(state)
-    n_present = jnp.sum(here, axis=-1, dtype=jnp.int32)
     n_waiting = jnp.sum(state.valid & ~here, axis=-1, dtype=jnp.int32)
-    if budget is None:
-        target, due = config.budget, n_present >= config.high_water
-    else:
-        target, due = budget, n_present > budget
+    target = config.budget if budget is None else budget
+    due = is_due(state, budget)
 
     def run(state: MemoryState) -> MemoryState:
         keep = topk_mask(
@@ -85,6 +94,8 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
             tiebreak=state.birth.reshape(b * k, s),
             implementation=config.implementation,
             interpret=config.interpret,
+            # On schedule a row keeps at least `budget` of its `capacity` slots.
+            max_dropped=config.capacity - config.budget if budget is None else None,
         ).reshape(b, k, s)
         evicted = state.valid & ~keep & due[..., None]
         ages = age(state).astype(jnp.float32)

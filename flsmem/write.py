@@ -14,6 +14,31 @@ from flsmem.typing import Array, Bool, Int, PyTree
 __all__ = ["write"]
 
 
+def _ranked_targets(state: MemoryState, q: int):
+    """Free slots first (lowest index first), then the lowest-priority occupied ones."""
+    preference = jnp.where(state.valid, -priority(state), jnp.inf)
+    _, target = lax.top_k(preference, q)  # [B, K, Q]
+    return target, jnp.take_along_axis(state.valid, target, axis=-1)
+
+
+def _targets(state: MemoryState, q: int):
+    """The slots the ``q`` new items of every row go to, and which of them were
+    occupied (forced writes): ``([B, K, Q] int32, [B, K, Q] bool)``."""
+    if q > 1:
+        return _ranked_targets(state, q)
+    # Decode hot path. The schedule (capacity = budget + evict_every) leaves every row
+    # a free slot, and the lowest free slot is a cheap argmax, where ranking the row
+    # costs a priority pass and a top_k per write. The ranking runs only when some row
+    # is full.
+    free = ~state.valid
+
+    def lowest_free(state):
+        target = jnp.argmax(free, axis=-1).astype(jnp.int32)[..., None]
+        return target, jnp.zeros(target.shape, jnp.bool_)
+
+    return lax.cond(jnp.all(jnp.any(free, axis=-1)), lowest_free, lambda st: _ranked_targets(st, 1), state)
+
+
 def write(
     state: MemoryState,
     payload: PyTree,
@@ -44,11 +69,8 @@ def write(
     b, k, s = state.valid.shape
     birth = state.step[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
 
-    # Free slots first (lowest index first), then the lowest-priority occupied ones.
-    occupied_rank = -priority(state)
-    preference = jnp.where(state.valid, occupied_rank, jnp.inf)
-    _, target = lax.top_k(preference, q)  # [B, K, Q]
-    forced = jnp.take_along_axis(state.valid, target, axis=-1) & mask[:, None, :]
+    target, forced = _targets(state, q)
+    forced = forced & mask[:, None, :]
     target = jnp.where(mask[:, None, :], target, s)  # out of range: dropped below
 
     bi = jnp.arange(b)[:, None, None]

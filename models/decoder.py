@@ -246,9 +246,41 @@ def update_memories(memories, attention, correctness=None, future=None):
 
     Args:
       memories: stacked memories ``[L, ...]``.
-      attention: ``[L, B, K, Q, S]`` from the decoder.
+      attention: ``[L, B, K, Q, S]`` from the decoder, or ``[L, B, K, S]`` for one query.
       correctness: ``[B, Q]`` (or ``[B]``), shared by the layers.
       future: ``[L, B, K, Q, S]`` for the oracle, else None.
     """
-    # A loop over layers (not vmap) keeps each layer's eviction a real branch.
-    return jax.lax.map(lambda xs: flsmem.update(xs[0], xs[1], correctness, xs[2]), (memories, attention, future))
+    # No step touches the payload (the keys and values): keep it out of the loops below,
+    # which would otherwise copy every layer's cache once more per step.
+    payload = memories.payload
+    memories = memories.replace(payload=None)
+    if jnp.ndim(attention) == 4:  # one query: [L, B, K, S]
+        memories = _update_one_query(memories, attention, correctness, future)
+    elif jnp.shape(attention)[3] == 1 and (correctness is None or jnp.ndim(correctness) == 2):
+        squeeze = lambda x: None if x is None else x[:, :, :, 0]  # noqa: E731
+        memories = _update_one_query(memories, squeeze(attention),
+                                     None if correctness is None else correctness[:, 0], squeeze(future))
+    else:
+        # A chunk: query by query in every layer. A loop over layers (not vmap) keeps
+        # each layer's eviction a real branch.
+        memories = jax.lax.map(lambda xs: flsmem.update(xs[0], xs[1], correctness, xs[2]),
+                               (memories, attention, future))
+    return memories.replace(payload=payload)
+
+
+def _update_one_query(memories, attention, correctness, future):
+    """``flsmem.update`` of one query in every layer: the decode hot path.
+
+    Every step of the memory treats each batch row on its own, so the L layers of B
+    sequences are updated as one memory of L * B sequences: a few large operations
+    instead of a few small ones per layer, and one real branch around eviction (due
+    in every layer at the same steps) instead of one per layer.
+    """
+    depth, batch = memories.step.shape
+    fold = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
+    unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731
+    if correctness is not None:
+        correctness = jnp.tile(jnp.asarray(correctness), depth)  # row l * B + b is sequence b
+    flat = jax.tree.map(fold, memories)
+    flat = flsmem.update(flat, fold(attention), correctness, None if future is None else fold(future))
+    return jax.tree.map(unfold, flat)

@@ -15,7 +15,7 @@ from flax import nnx
 import flsmem
 from models.decoder import Decoder, init_memories, update_memories
 
-__all__ = ["generate"]
+__all__ = ["generate", "decode_step", "decode_loop"]
 
 
 def _prefill(model, memories, prompt, start, correctness):
@@ -47,17 +47,33 @@ def _generate(graphdef, params, prompt, *, config, steps, correctness):
     if rest:
         memories, last = _prefill(model, memories, prompt[:, full * chunk:], full * chunk, correctness)
 
+    (memories, _), tokens = decode_loop(model, memories, last, length, steps, correctness)
+    return jnp.moveaxis(tokens, 0, 1), memories
+
+
+def decode_step(model, memories, logits, t, correctness="confidence"):
+    """One greedy decode step at position ``t``: emit the argmax of ``logits``, run it
+    through the model (writing its keys and values), fold the step into the memories
+    and evict when due. Returns ``(memories, next_logits [B, V], token [B])``."""
+    b = logits.shape[0]
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+    out, memories, attention = model(token[:, None], jnp.full((b, 1), t, jnp.int32), memories)
+    logp = jax.nn.log_softmax(out[:, 0], axis=-1)
+    weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b,))
+    memories = update_memories(memories, attention[:, :, :, 0], weight)
+    return memories, out[:, 0], token
+
+
+def decode_loop(model, memories, logits, start, steps, correctness="confidence"):
+    """``steps`` decode steps from position ``start`` as a ``lax.scan`` (the serving
+    loop, also what bench/ times). Returns ``((memories, logits), tokens [steps, B])``."""
+
     def decode(carry, t):
         memories, logits = carry
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
-        out, memories, attention = model(token[:, None], jnp.full((b, 1), t, jnp.int32), memories)
-        logp = jax.nn.log_softmax(out[:, 0], axis=-1)
-        weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b,))
-        memories = update_memories(memories, attention[:, :, :, 0], weight)
-        return (memories, out[:, 0]), token
+        memories, logits, token = decode_step(model, memories, logits, t, correctness)
+        return (memories, logits), token
 
-    (memories, _), tokens = jax.lax.scan(decode, (memories, last), length + jnp.arange(steps, dtype=jnp.int32))
-    return jnp.moveaxis(tokens, 0, 1), memories
+    return jax.lax.scan(decode, (memories, logits), start + jnp.arange(steps, dtype=jnp.int32))
 
 
 def generate(

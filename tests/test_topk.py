@@ -243,6 +243,43 @@ def test_property_pallas_equals_reference_with_tiebreak(problem):
     np.testing.assert_array_equal(got, brute_force(scores, k, tiebreak))
 
 
+@st.composite
+def _few_dropped_problems(draw):
+    scores, _, tiebreak = draw(_problems_with_tiebreak())
+    cols = scores.shape[1]
+    max_dropped = draw(st.integers(0, cols + 1))
+    # Mostly rows that keep the promise (k >= N - max_dropped), sometimes one that
+    # does not (then the sort must take over).
+    low = draw(st.sampled_from([max(cols - max_dropped, 0), max(cols - max_dropped - 2, 0)]))
+    k = draw(hnp.arrays(np.int32, (scores.shape[0],), elements=st.integers(low, cols + 2)))
+    return scores, k, tiebreak, max_dropped
+
+
+@settings(max_examples=200, deadline=None)
+@given(_few_dropped_problems(), st.booleans())
+def test_property_max_dropped_gives_the_same_mask(problem, with_tiebreak):
+    scores, k, tiebreak, max_dropped = problem
+    tiebreak = jnp.asarray(tiebreak) if with_tiebreak else None
+    got = topk_mask(scores, jnp.asarray(k), tiebreak=tiebreak, implementation="xla", max_dropped=max_dropped)
+    np.testing.assert_array_equal(got, brute_force(scores, k, tiebreak))
+
+
+def test_max_dropped_typical_eviction_and_ties():
+    rng = np.random.default_rng(7)
+    # Distinct scores (the tied group is the one threshold entry) and heavy ties
+    # (the exact keys settle them), as evict meets them: 8 of 40 left out.
+    for scores in (rng.normal(size=(6, 40)).astype(np.float32), np.round(rng.normal(size=(6, 40))).astype(np.float32)):
+        tb = rng.integers(0, 5, size=(6, 40)).astype(np.int32)
+        got = topk_mask(scores, 32, tiebreak=jnp.asarray(tb), implementation="xla", max_dropped=8)
+        np.testing.assert_array_equal(got, brute_force(scores, 32, tb))
+    # Under jit with a traced k, and under vmap (where the branches become selects).
+    k = jnp.asarray([40, 39, 32, 35, 33, 38], jnp.int32)
+    few = jax.jit(lambda s, k: topk_mask(s, k, implementation="xla", max_dropped=8))
+    np.testing.assert_array_equal(few(scores, k), brute_force(scores, k))
+    batched = jax.vmap(lambda s: topk_mask(s, 36, implementation="xla", max_dropped=4))(scores.reshape(2, 3, 40))
+    np.testing.assert_array_equal(batched.reshape(6, 40), brute_force(scores, 36))
+
+
 def test_reference_jit_and_vmap():
     rng = np.random.default_rng(3)
     scores = messy_scores(rng, (4, 5, 12))
@@ -284,6 +321,8 @@ def test_empty_inputs():
         (jnp.zeros((2, 4)), 1, {"implementation": "cuda"}, "implementation"),
         (jnp.zeros((2, 4)), 1, {"block_rows": 12}, "block_rows"),
         (jnp.zeros((2, 4)), 1, {"block_rows": 0}, "block_rows"),
+        (jnp.zeros((2, 4)), 1, {"max_dropped": -1}, "max_dropped"),
+        (jnp.zeros((2, 4)), 1, {"max_dropped": 1.5}, "max_dropped"),
         (jnp.zeros((2, 4)), 1, {"implementation": "pallas"}, "interpret=True"),
         (jnp.zeros((2, 4)), 1, {"tiebreak": jnp.zeros((2, 4))}, "tiebreak"),
         (jnp.zeros((2, 4)), 1, {"tiebreak": np.zeros((2, 4), np.int64)}, "tiebreak"),

@@ -123,6 +123,64 @@ def _reference(scores, k, tiebreak):
     return jnp.zeros((rows, cols), jnp.bool_).at[row_ids, order].set(keep_sorted)
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _reference_few_dropped(scores, k, tiebreak, max_dropped):
+    """The mask of :func:`_reference` when each row leaves out at most ``max_dropped``
+    entries (``k >= N - max_dropped``), found with a ``lax.top_k`` of that size.
+
+    On CPU sorting ``[R, N]`` on three keys costs about 40x a small ``lax.top_k``
+    (measured by ``python -m bench.kernel``), and eviction on schedule leaves out only
+    the ``evict_every`` newest arrivals' worth of items. Rows that break the promise
+    fall back to the sort, so the result is always exact.
+    """
+    rows, cols = scores.shape
+    m = min(max_dropped, cols)
+    drop = cols - k  # [R]: entries each row leaves out
+    if tiebreak is None:
+        tiebreak = jnp.zeros((rows, cols), jnp.int32)
+    key = _sortable_keys(scores)
+    col = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+
+    def few(_):
+        # lax.top_k compares floats. NaN goes to -inf, and a float compare may tie
+        # entries the exact order separates (-0.0 and +0.0, subnormals flushed to zero),
+        # but never reverses two of them: entries strictly below the drop-th lowest are
+        # left out, and the ones tied with it are settled on the exact keys below.
+        proxy = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+        lowest = -lax.top_k(-proxy, m)[0]  # [R, m], ascending
+        thresh = jnp.take_along_axis(lowest, jnp.clip(drop - 1, 0, m - 1)[:, None], axis=1)
+        some = (drop > 0)[:, None]
+        below = some & (proxy < thresh)
+        tied = some & (proxy == thresh)
+        need = drop - jnp.sum(below, axis=1, dtype=jnp.int32)  # from the tied, in [1, m]
+
+        def settle(_):
+            # Leave out, one at a time, the lowest tied entry in the exact order: score
+            # key, then tiebreak, then the higher index.
+            def one(i, carry):
+                out, left = carry
+                lowest_key = jnp.min(jnp.where(left, key, _INT32_MAX), axis=1, keepdims=True)
+                cand = left & (key == lowest_key)
+                lowest_tb = jnp.min(jnp.where(cand, tiebreak, _INT32_MAX), axis=1, keepdims=True)
+                cand = cand & (tiebreak == lowest_tb)
+                last = jnp.max(jnp.where(cand, col, -1), axis=1, keepdims=True)
+                take = (col == last) & (i < need)[:, None]
+                return out | take, left & ~take
+
+            return lax.fori_loop(0, m, one, (below, tied))[0]
+
+        # Scores rarely tie exactly at the threshold: then the tied entries all go.
+        whole = jnp.all(jnp.sum(tied, axis=1, dtype=jnp.int32) == need * some[:, 0])
+        return ~lax.cond(whole, lambda _: below | tied, settle, None)
+
+    if m == 0:
+        return lax.cond(jnp.all(drop == 0), lambda _: jnp.ones((rows, cols), jnp.bool_),
+                        lambda _: _reference(scores, k, tiebreak), None)
+    return lax.cond(jnp.all(drop <= m), few, lambda _: _reference(scores, k, tiebreak), None)
+
+
 def topk_mask_reference(scores, k, tiebreak=None):
     """Plain ``jnp`` top-k mask (a sort on score, tiebreak and index). jit- and
     vmap-able.
@@ -260,10 +318,15 @@ def _topk_mask_pallas(scores, k, tiebreak=None, *, interpret, block_rows, backen
 
 
 @functools.partial(
-    jax.jit, static_argnames=("implementation", "interpret", "block_rows", "backend")
+    jax.jit,
+    static_argnames=("implementation", "interpret", "block_rows", "backend", "max_dropped"),
 )
-def _topk_mask_jit(scores, k, tiebreak, *, implementation, interpret, block_rows, backend):
+def _topk_mask_jit(
+    scores, k, tiebreak, *, implementation, interpret, block_rows, backend, max_dropped
+):
     if implementation == "xla":
+        if max_dropped is not None and max_dropped < scores.shape[1]:
+            return _reference_few_dropped(scores, k, tiebreak, max_dropped)
         return _reference(scores, k, tiebreak)
     return _topk_mask_pallas(
         scores, k, tiebreak, interpret=interpret, block_rows=block_rows, backend=backend
@@ -271,7 +334,14 @@ def _topk_mask_jit(scores, k, tiebreak, *, implementation, interpret, block_rows
 
 
 def topk_mask(
-    scores, k, *, tiebreak=None, implementation=None, interpret=False, block_rows=8
+    scores,
+    k,
+    *,
+    tiebreak=None,
+    implementation=None,
+    interpret=False,
+    block_rows=8,
+    max_dropped=None,
 ):
     """Boolean mask of the k largest entries per row (see module docstring).
 
@@ -288,6 +358,12 @@ def topk_mask(
         ``"pallas"`` on CPU. Ignored by ``"xla"``.
       block_rows: rows per Pallas grid step, a positive multiple of 8 (and a
         power of two on GPU).
+      max_dropped: None, or a Python int >= 0: the caller expects every row to
+        leave out at most this many entries (``k >= N - max_dropped``). Then
+        ``"xla"`` finds them with a ``lax.top_k`` of that size instead of a sort
+        of the rows (on CPU much faster); a row that leaves out more falls back
+        to the sort, so the mask is the same either way. The Pallas kernel
+        ignores it.
 
     Returns:
       bool ``[R, N]``; row ``r`` has exactly ``clip(k[r], 0, N)`` True entries.
@@ -307,6 +383,12 @@ def topk_mask(
         or block_rows % 8
     ):
         raise ValueError(f"block_rows must be a positive multiple of 8, got {block_rows!r}")
+    if max_dropped is not None and (
+        not isinstance(max_dropped, numbers.Integral)
+        or isinstance(max_dropped, bool)
+        or max_dropped < 0
+    ):
+        raise ValueError(f"max_dropped must be None or an int >= 0, got {max_dropped!r}")
     scores, k, tiebreak = _validate(scores, k, tiebreak)
     backend = jax.default_backend()
     if implementation is None:
@@ -329,4 +411,5 @@ def topk_mask(
         interpret=bool(interpret),
         block_rows=int(block_rows),
         backend=None if interpret else backend,
+        max_dropped=None if max_dropped is None else int(max_dropped),
     )

@@ -1,0 +1,136 @@
+"""What every benchmark shares: interleaved timing, the machine, models, results files.
+
+Timings on a shared 2-core machine are noisy, so no bare time is ever reported:
+the compared variants run interleaved, round after round, each round gives one ratio
+per variant against the baseline of the same round, and the median over rounds is
+reported (with the lowest and highest round beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+RESULTS = pathlib.Path("results") / "bench"
+
+
+def block(x):
+    """Wait for every array of ``x``."""
+    return jax.block_until_ready(x)
+
+
+def time_once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - start
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each function, ``rounds`` times, the variants interleaved.
+
+    The order of the variants rotates from round to round so that none always runs
+    right after the same neighbour (caches, frequency, the other engineer's jobs).
+    """
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            time_once(fns[name])
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(time_once(fns[name]))
+    return times
+
+
+def ratios(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, float]]:
+    """Per variant, the median, lowest and highest over rounds of its time divided by
+    the baseline's time in the same round."""
+    out = {}
+    for name, ts in times.items():
+        per_round = [t / b for t, b in zip(ts, times[baseline])]
+        out[name] = {"median": statistics.median(per_round), "low": min(per_round), "high": max(per_round)}
+    return out
+
+
+def machine() -> dict[str, object]:
+    """The machine in words (no paths, no host names)."""
+    return {
+        "cpu_cores": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "backend": jax.default_backend(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "os": platform.system(),
+    }
+
+
+def command() -> str:
+    """The command line that is running, as typed from the repository root."""
+    module = sys.modules["__main__"].__spec__
+    head = f"python -m {module.name}" if module is not None else f"python {pathlib.Path(sys.argv[0]).name}"
+    return " ".join([head] + sys.argv[1:])
+
+
+def save(name: str, payload: dict) -> pathlib.Path:
+    """Write ``results/bench/<name>.json`` with the command and the machine added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    record = {"command": command(), "machine": machine(), **payload}
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive ints."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
+
+
+def choices(allowed: tuple[str, ...]):
+    """argparse type: a comma-separated list of names from ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(allowed)}")
+        return values
+
+    return parse
+
+
+def load_model(name: str):
+    """The decoder by name: "tiny" (bundled checkpoint) or "smollm2" (SmolLM2-135M)."""
+    if name == "tiny":
+        from models.tiny import load_tiny
+
+        return load_tiny()[0]
+    if name == "smollm2":
+        from models.smollm2 import load_smollm2
+
+        return load_smollm2()[0]
+    raise ValueError(f"model must be 'tiny' or 'smollm2', got {name!r}")
+
+
+def random_kv(key, shape, dtype=jnp.float32):
+    """Keys and values for a cache filled without running the model: a decode step's
+    cost does not depend on the values it reads."""
+    k1, k2 = jax.random.split(key)
+    return jax.random.normal(k1, shape, dtype), jax.random.normal(k2, shape, dtype)

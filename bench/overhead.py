@@ -1,0 +1,118 @@
+"""Per-step overhead of flsmem in the jitted decode loop, and its compile time.
+
+For each model, batch size, policy and ``evict_every``: the library's serving loop
+(:func:`models.generate.decode_loop`, write + attend + observe + smooth + evict when
+due) against the same decoder with a plain fixed-size ring cache of the same resident
+size (``budget + evict_every`` slots, no scores, no eviction), both in steady state at
+position ``2 * budget``. Overhead = median over rounds of (flsmem time / plain time) - 1,
+the two loops interleaved in every round. A timed call is ``steps`` decode steps (a
+multiple of every ``evict_every``, so each call holds the same number of evictions).
+
+    python -m bench.overhead            # the full table (tiny and SmolLM2, batch 1 and 8)
+    python -m bench.overhead --quick    # SmolLM2, batch 1, rmm, evict_every 8: < 2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import flsmem
+from bench import common
+from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
+from flsmem import policies
+
+POLICIES = {"rmm": lambda: policies.rmm(lag=16), "h2o": lambda: policies.h2o(recent=16)}
+BUDGET = {"tiny": 256, "smollm2": 512}
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=common.choices(("tiny", "smollm2")), default=["tiny", "smollm2"])
+    parser.add_argument("--batch", type=common.positive_ints, default=[1, 8], help="batch sizes, e.g. 1,8")
+    parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=list(POLICIES))
+    parser.add_argument("--evict-every", type=common.positive_ints, default=[1, 8, 32])
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    parser.add_argument("--quick", action="store_true",
+                        help="SmolLM2, batch 1, rmm, evict_every 8, 5 rounds; the last line is the overhead")
+    parser.add_argument("--out", default="overhead", help="name of the results/bench/<name>.json file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.models, args.batch, args.policies, args.evict_every, args.rounds = ["smollm2"], [1], ["rmm"], [8], 5
+        if args.out == "overhead":
+            args.out = "overhead-quick"
+    if args.steps < 1 or args.rounds < 1:
+        parser.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
+    bad = [e for e in args.evict_every if args.steps % e]
+    if bad:
+        parser.error(f"--steps ({args.steps}) must be a multiple of every --evict-every value, not of {bad}")
+    return args
+
+
+def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int], steps: int, rounds: int):
+    """Rows of the overhead table for one model and batch size."""
+    graphdef, params = nnx.split(model)
+    cfg = model.cfg
+    budget = BUDGET[name]
+    start = 2 * budget
+    key = jax.random.key(0)
+    logits = jax.random.normal(key, (batch, cfg.vocab_size))
+    fns, compile_s = {}, {}
+    for ee in evict_every:
+        cache = plain_cache(cfg, batch, budget + ee, start, key)
+        fns[f"plain/{ee}"] = lambda c=cache: run_plain(graphdef, params, c, logits, start, steps=steps)
+        for pol in pols:
+            config = flsmem.MemoryConfig(policy=POLICIES[pol](), budget=budget, evict_every=ee)
+            memories = steady_memories(cfg, config, batch, start, key)
+            fns[f"{pol}/{ee}"] = lambda m=memories: run_flsmem(graphdef, params, m, logits, start, steps=steps)
+    # Compile time of each loop, apart from the timed runs (lower + compile, no cache).
+    for label, fn in fns.items():
+        jax.clear_caches()
+        begin = time.perf_counter()
+        common.block(fn())
+        compile_s[label] = time.perf_counter() - begin
+    times = common.interleaved(fns, rounds)
+    r = {}
+    for ee in evict_every:
+        group = {label: ts for label, ts in times.items() if label.endswith(f"/{ee}")}
+        r.update(common.ratios(group, f"plain/{ee}"))
+    rows = []
+    for ee in evict_every:
+        for pol in pols:
+            label = f"{pol}/{ee}"
+            rows.append({
+                "model": name, "batch": batch, "policy": pol, "evict_every": ee, "budget": budget,
+                "slots": budget + ee, "steps": steps, "rounds": rounds,
+                "overhead": r[label]["median"] - 1.0, "overhead_low": r[label]["low"] - 1.0,
+                "overhead_high": r[label]["high"] - 1.0,
+                # First call (trace + compile + one run) over the plain loop's first call.
+                "first_call_ratio": compile_s[label] / compile_s[f"plain/{ee}"],
+            })
+    return rows
+
+
+def main(argv=None):
+    args = parse(argv)
+    rows = []
+    for name in args.models:
+        model = common.load_model(name)
+        for batch in args.batch:
+            rows += measure(model, name, batch, args.policies, args.evict_every, args.steps, args.rounds)
+            new_rows = rows[-len(args.policies) * len(args.evict_every):]
+            for row in new_rows:
+                print(f"{row['model']:8} B={row['batch']} {row['policy']:4} evict_every={row['evict_every']:3} "
+                      f"overhead {100 * row['overhead']:+6.2f}% (rounds {100 * row['overhead_low']:+.2f}% .. "
+                      f"{100 * row['overhead_high']:+.2f}%), first call x{row['first_call_ratio']:.2f}", flush=True)
+    common.save(args.out, {"rows": rows})
+    if args.quick:
+        print(f"overhead {100 * rows[0]['overhead']:+.2f}%")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
