@@ -37,14 +37,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     regime = commands.add_parser(
         "regime", help="the regime map: controlled tasks and text, every policy, lag sweep, correctness signals"
     )
+    learned = commands.add_parser(
+        "learned", help="the learned estimator against rmm, h2o, tova, snapkv and the oracle, tasks and text"
+    )
     # The harness ships with the repository, beside the core library, which never needs it.
     has_harness = importlib.util.find_spec("harness") is not None
     if has_harness:
+        from harness import learned as learned_module
         from harness import regime as regime_module
         from harness.report import add_arguments
 
         add_arguments(evaluate)
         regime_module.add_arguments(regime)
+        learned_module.add_arguments(learned)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -58,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from harness.report import run
 
         run(args)
+    elif args.command == "learned":
+        learned_module.run_cli(args)
     else:
         regime_module.run_cli(args)
 

@@ -97,7 +97,8 @@ class Observation(NamedTuple):
 FoldFn = Callable[["Policy", SlotView, Observation, PyTree], tuple[Array, PyTree]]
 ScoreFn = Callable[["Policy", SlotView, PyTree], Array]
 InitEvidenceFn = Callable[["Policy", PyTree, Array, Array], Array]
-InitAuxFn = Callable[["Policy", int, int], PyTree]
+InitAuxFn = Callable[["Policy", int, int, int], PyTree]
+MonitorFn = Callable[["Policy", PyTree], dict[str, Array]]
 
 
 def _require(ok: bool, message: str) -> None:
@@ -138,8 +139,15 @@ class Policy:
       init_evidence: ``init_evidence(policy, payload, position, birth) -> [B, K, Q, E]``
         evidence of newly written items (payload leaves ``[B, K, Q, ...]``); None
         starts from zeros.
-      init_aux: ``init_aux(policy, batch, kv_heads) -> pytree`` per-row policy state
-        (for example the adaptive filter's noise estimates); None for no state.
+      init_aux: ``init_aux(policy, batch, kv_heads, slots) -> pytree`` the policy's own
+        state: per-row arrays (the adaptive filter's noise estimates) or shared ones (the
+        learned estimator's parameters); None for no state.
+      fallback_score: ``fallback_score(policy, view, aux) -> [B, K, S]`` used for a whole
+        row when ``score`` is not finite for one of its present slots (a learned score
+        falls back to demonstrated utility); None ranks such slots by recency below
+        every finite score.
+      monitor: ``monitor(policy, aux) -> {name: [B] array}`` figures of the policy's
+        state added to :func:`flsmem.summary`; None adds nothing.
       num_evidence: E, statistics kept per slot.
       params: the policy's own parameters as sorted ``(name, value)`` pairs; read them
         with :attr:`p`.
@@ -159,6 +167,8 @@ class Policy:
     fold: FoldFn | None = None
     init_evidence: InitEvidenceFn | None = None
     init_aux: InitAuxFn | None = None
+    fallback_score: ScoreFn | None = None
+    monitor: MonitorFn | None = None
     num_evidence: int = 1
     params: tuple[tuple[str, Any], ...] = ()
     sinks: int = 0
@@ -352,7 +362,7 @@ def _fold_kalman(policy, view, obs, aux):
     return new_ev, aux
 
 
-def _kalman_init_aux(policy, batch, kv_heads):
+def _kalman_init_aux(policy, batch, kv_heads, slots):
     if not policy.p["adaptive"]:
         return None
     q, r = policy.p["q"], policy.p["r"]

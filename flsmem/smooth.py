@@ -20,8 +20,10 @@ def smooth(state: MemoryState) -> MemoryState:
     Slots still inside their commit lag are protected by ``evict`` whatever their score;
     once past it they are ranked by the committed score, which follows the policy's
     rule (keep accumulating, decay, freeze, or filter). With ``normalise_by_age`` the
-    committed score is ``score / (age + 1)``. A score that is not finite falls back to
-    recency, below every finite score, and is counted in ``stats.fallbacks``.
+    committed score is ``score / (age + 1)``. A score that is not finite is counted in
+    ``stats.fallbacks``; its row is then ranked by the policy's ``fallback_score`` when
+    it has one, and what is still not finite falls back to recency, below every finite
+    score.
 
     Args:
       state: the memory, after ``observe``.
@@ -34,12 +36,19 @@ def smooth(state: MemoryState) -> MemoryState:
     ages = age(state)
     here = present(state)
     view = SlotView(state.evidence, ages, state.birth, state.position, here, state.step)
-    raw = policy.score(policy, view, state.aux).astype(jnp.float32)
-    if policy.normalise_by_age:
-        raw = raw / (ages + 1).astype(jnp.float32)
+    def committed(score_fn):
+        raw = score_fn(policy, view, state.aux).astype(jnp.float32)
+        return raw / (ages + 1).astype(jnp.float32) if policy.normalise_by_age else raw
+
+    raw = committed(policy.score)
+    not_finite = here & ~jnp.isfinite(raw)
+    fell_back = jnp.sum(not_finite, axis=(1, 2), dtype=jnp.int32)
+    if policy.fallback_score is not None:
+        # One scale per row: a row with any bad score is ranked wholly by the fallback.
+        row_bad = jnp.any(not_finite, axis=-1, keepdims=True)
+        raw = jnp.where(row_bad, committed(policy.fallback_score), raw)
     finite = jnp.isfinite(raw)
     fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
     score = jnp.where(here, jnp.where(finite, raw, fallback), 0.0)
-    fell_back = jnp.sum(here & ~finite, axis=(1, 2), dtype=jnp.int32)
     stats = state.stats.replace(fallbacks=state.stats.fallbacks + fell_back)
     return state.replace(score=score, stats=stats)

@@ -22,8 +22,9 @@ class MemoryStats:
       evictions: ``[B]`` int32, items evicted.
       evicted_age: ``[B]`` float32, sum of the ages of evicted items.
       evicted_score: ``[B]`` float32, sum of the committed scores of evicted items.
-      fallbacks: ``[B]`` int32, slots whose score was not finite when committed; they
-        were ranked by recency below every finite score.
+      fallbacks: ``[B]`` int32, slots whose score was not finite when committed; their
+        row was ranked by the policy's fallback score, or they by recency below every
+        finite score.
       forced_writes: ``[B]`` int32, writes that found no free slot and replaced the
         lowest-priority item (the schedule was not followed).
       nonfinite_inputs: ``[B]`` int32, queries whose attention or correctness had NaN
@@ -57,7 +58,8 @@ class MemoryState:
       evidence: ``[B, K, S, E]`` float32, the policy's per-slot statistics.
       score: ``[B, K, S]`` float32, committed score used by ``evict``.
       step: ``[B]`` int32, queries observed so far (an array, so nothing retraces).
-      aux: the policy's per-row state (a pytree of ``[B, K, ...]`` arrays) or None.
+      aux: the policy's own state (a pytree: per-row ``[B, K, ...]`` arrays, or the
+        learned estimator's parameters and optimizer state) or None.
       stats: :class:`MemoryStats`.
       config: the static :class:`~flsmem.config.MemoryConfig` (not a pytree leaf).
     """
@@ -133,7 +135,7 @@ def init(
     rows = (batch, kv_heads, s)
     payload = jax.tree.map(lambda sp: jnp.zeros(rows + tuple(sp.shape), sp.dtype), specs)
     policy = config.policy
-    aux = None if policy.init_aux is None else policy.init_aux(policy, batch, kv_heads)
+    aux = None if policy.init_aux is None else policy.init_aux(policy, batch, kv_heads, s)
     return MemoryState(
         payload=payload,
         position=jnp.full(rows, -1, jnp.int32),
@@ -181,10 +183,13 @@ def occupancy(state: MemoryState) -> Int[Array, "B K"]:
 
 
 def summary(state: MemoryState) -> dict[str, Array]:
-    """Monitoring figures per batch row: counters and mean age/score of evicted items."""
+    """Monitoring figures per batch row: counters, mean age/score of evicted items and
+    the policy's own figures (its ``monitor``, for example the estimator's loss)."""
     s = state.stats
     n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
-    return {
+    policy = state.config.policy
+    extra = {} if policy.monitor is None else policy.monitor(policy, state.aux)
+    return extra | {
         "step": state.step,
         "occupancy": jnp.sum(state.valid, axis=(1, 2), dtype=jnp.int32),
         "evictions": s.evictions,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
@@ -33,12 +34,15 @@ import numpy as np
 from flax import nnx
 
 import flsmem
+from flsmem import estimator as E
 from flsmem import policies as P
 from models.decoder import Decoder, init_memories, update_memories
 
 __all__ = [
     "CORRECTNESS",
+    "LEARNED_NAMES",
     "POLICY_NAMES",
+    "learned_policy",
     "make_policy",
     "evaluate_nll",
     "evaluate_windows",
@@ -93,6 +97,25 @@ POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
     "key_norm", "random", "ema", "rmm", "kalman", "lag_window", "use_recency",
 )
+# The learned estimator at H = 0: pretrained and still learning, pretrained and frozen,
+# and learning from a fresh network. Not in the default comparison: they need the
+# pretrained checkpoint (checkpoints/estimator).
+LEARNED_NAMES = ("learned", "learned_offline", "learned_scratch")
+ESTIMATOR_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "estimator"
+
+
+def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
+    """One of :data:`LEARNED_NAMES`, with the settings of the pretrained estimator at
+    ``path`` (the scratch variant too, so the three differ only in their start and in
+    whether they learn)."""
+    variants = {"learned": {}, "learned_offline": {"online": False}, "learned_scratch": {"fresh": True}}
+    if name not in variants:
+        raise ValueError(f"learned policy must be one of {LEARNED_NAMES}, got {name!r}")
+    return E.from_checkpoint(path, learning_rate=ONLINE_LEARNING_RATE, **variants[name])
+
+
+# Serving updates move the pretrained estimator more gently than pretraining did.
+ONLINE_LEARNING_RATE = 1e-3
 
 
 def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
@@ -121,8 +144,10 @@ def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
         "lag_window": lambda: P.lag_window(lag=lag),
         "use_recency": lambda: P.use_recency(lag=lag),
     }
+    if name in LEARNED_NAMES:
+        return learned_policy(name)
     if name not in table:
-        raise ValueError(f"policy must be one of {POLICY_NAMES}, got {name!r}")
+        raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES}, got {name!r}")
     return table[name]()
 
 
@@ -132,14 +157,18 @@ def _split(model: Decoder):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "chunk", "correctness", "prefill", "collect"))
-def _run(graphdef, params, windows, futures, *, config, chunk, correctness, prefill, collect):
-    """Per-token NLL and argmax hits ``[W, T]`` of a window batch (and the attention,
-    if collected)."""
+def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness, prefill, collect):
+    """Per-token NLL and argmax hits ``[W, T]`` of a window batch, the attention (if
+    collected), the memory summary and the policy's final state per layer."""
     model = nnx.merge(graphdef, params)
     w, length = windows.shape
     steps = length - 1
     inputs, targets = windows[:, :-1], windows[:, 1:]
     memories = init_memories(model.cfg, config, w)
+    if aux is not None:
+        per_layer = jax.tree.map(lambda x: jnp.broadcast_to(x, (model.cfg.depth,) + jnp.shape(x)), aux)
+        merged = memories.aux | per_layer if isinstance(aux, dict) else per_layer
+        memories = memories.replace(aux=merged)
     weigh = CORRECTNESS[correctness]
     nll_parts, hit_parts = [], []
     # The sampled correctness signal draws the same tokens in every run of a window.
@@ -188,7 +217,7 @@ def _run(graphdef, params, windows, futures, *, config, chunk, correctness, pref
     hit_parts.append(jnp.moveaxis(hit, 0, 1).reshape(w, -1))
     stats = jax.vmap(flsmem.summary)(memories)
     stats["held"] = jnp.where(memories.valid, memories.position, -1)  # [L, W, K, S]
-    return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats
+    return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats, memories.aux
 
 
 def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: float = ORACLE_DISCOUNT) -> jax.Array:
@@ -199,7 +228,7 @@ def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: 
     steps = windows.shape[1] - 1
     config = flsmem.MemoryConfig(policy=P.full(), budget=steps, max_chunk=chunk)
     graphdef, params = _split(model)
-    _, _, attention, _ = _run(graphdef, params, jnp.asarray(windows), None, config=config, chunk=chunk,
+    _, _, attention, _, _ = _run(graphdef, params, jnp.asarray(windows), None, None, config=config, chunk=chunk,
                            correctness="none", prefill=0, collect=True)
     # [chunks, L, W, K, chunk, S]; the full cache keeps position p in slot p.
     a = jnp.moveaxis(attention, 0, 3)
@@ -237,14 +266,20 @@ def evaluate_windows(
     correctness: str = "hard",
     prefill: int = 0,
     futures: jax.Array | None = None,
+    aux=None,
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Teacher-forced evaluation of ``windows [W, T + 1]`` under ``policy`` at ``budget``.
+
+    ``aux``, when given, replaces the policy's initial state in every layer's memory
+    (for a dict state, the entries it names: a learned estimator carried over from
+    earlier batches with :func:`flsmem.estimator.carry_over`).
 
     Returns:
       ``(nll, hit, stats)``: per-token negative log-likelihood (nats) ``[W, T]``, whether
       the argmax prediction was the target ``[W, T]``, and the memory summary (``[L, W]``
       per figure) with ``stats["held"]``, the positions each memory holds at the end
-      ``[L, W, K, S]`` (-1 for a free slot).
+      ``[L, W, K, S]`` (-1 for a free slot), and ``stats["aux"]``, the policy's final
+      state per layer.
     """
     steps = windows.shape[1] - 1
     if (steps - prefill) % chunk:
@@ -262,9 +297,12 @@ def evaluate_windows(
     else:
         config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=chunk, max_chunk=chunk)
     graphdef, params = _split(model)
-    nll, hit, _, stats = _run(graphdef, params, jnp.asarray(windows), futures if policy.needs_future else None,
-                              config=config, chunk=chunk, correctness=correctness, prefill=prefill, collect=False)
-    return np.asarray(nll), np.asarray(hit), jax.device_get(stats)
+    nll, hit, _, stats, final_aux = _run(
+        graphdef, params, jnp.asarray(windows), futures if policy.needs_future else None, aux,
+        config=config, chunk=chunk, correctness=correctness, prefill=prefill, collect=False)
+    stats = jax.device_get(stats)
+    stats["aux"] = final_aux
+    return np.asarray(nll), np.asarray(hit), stats
 
 
 @dataclasses.dataclass

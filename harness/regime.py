@@ -62,6 +62,7 @@ class Plan:
       signal_settings, signal_fractions: the same for the correctness signals.
       retention_settings, retention_fractions: tasks and budgets at which to record
         which items the memories still hold when the last query comes.
+      policies: the policies of the map (names for :func:`harness.evaluate.make_policy`).
     """
 
     tasks: tuple[str, ...]
@@ -78,6 +79,7 @@ class Plan:
     signal_fractions: tuple[float, ...]
     retention_settings: tuple[str, ...] = ()
     retention_fractions: tuple[float, ...] = ()
+    policies: tuple[str, ...] = MAP_POLICIES
 
     def __post_init__(self):
         from models.tasks import TASKS
@@ -93,6 +95,11 @@ class Plan:
         for name in ("fractions", "lag_fractions", "signal_fractions", "retention_fractions"):
             if not all(0 < f < 1 for f in getattr(self, name)):
                 raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
+        from harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+
+        unknown = sorted(set(self.policies) - set(POLICY_NAMES + LEARNED_NAMES))
+        if not self.policies or unknown:
+            raise ValueError(f"policies must be among {POLICY_NAMES + LEARNED_NAMES}, got {self.policies}")
 
 
 FULL = Plan(
@@ -206,7 +213,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
         rows.append(_row("map", setting, "full", 1.0, full))
         for fraction in plan.fractions:
             budget = _budget(setting, fraction)
-            for name in MAP_POLICIES:
+            for name in plan.policies:
                 progress(f"{setting.name}: {name} @ {budget}")
                 rows.append(_row("map", setting, name, fraction, setting.measure(make_policy(name, budget), budget)))
         if setting.name in plan.lag_settings:
@@ -328,6 +335,11 @@ def _fraction(f: float) -> str:
     return str(Fraction(f).limit_denominator(64))
 
 
+def _map_policies(rows: list[dict]) -> list[str]:
+    """The map's policies in the order they were run (the full cache aside)."""
+    return [n for n in dict.fromkeys(r["policy"] for r in rows if r["experiment"] == "map") if n != "full"]
+
+
 def format_tables(rows: list[dict]) -> str:
     """The map, the lag sweep and the signals as plain-text tables."""
     lines = []
@@ -339,8 +351,8 @@ def format_tables(rows: list[dict]) -> str:
         unit = "answer accuracy after the gap (mean ± sd over seeds)" if metric == "accuracy" else \
             "NLL increase over the full cache, nats/token"
         lines += ["", f"## {setting}: {unit}; full cache {full['value']:.4f}", ""]
-        lines.append(f"{'policy':<14}" + "".join(f" | {'B=' + str(b):>13}" for b in budgets))
-        for name in MAP_POLICIES:
+        lines.append(f"{'policy':<16}" + "".join(f" | {'B=' + str(b):>13}" for b in budgets))
+        for name in _map_policies(mine):
             cells = []
             for b in budgets:
                 r = next(r for r in mine if r["experiment"] == "map" and r["policy"] == name and r["budget"] == b)
@@ -348,7 +360,7 @@ def format_tables(rows: list[dict]) -> str:
                     cells.append(f" | {r['value']:>6.3f} ±{np.std(r['per_seed']):.3f}")
                 else:
                     cells.append(f" | {r['value'] - full['value']:>+13.4f}")
-            lines.append(f"{name:<14}" + "".join(cells))
+            lines.append(f"{name:<16}" + "".join(cells))
         lags = [r for r in mine if r["experiment"] == "lag"]
         if lags:
             lag_budgets = sorted({r["budget"] for r in lags})
@@ -411,7 +423,7 @@ def plot_map(rows: list[dict], path: str) -> None:
     table = winners(rows)
     settings = list(dict.fromkeys(s for s, _ in table))
     fractions = sorted({f for _, f in table})
-    names = [n for n in MAP_POLICIES if n != "oracle"]
+    names = [n for n in _map_policies(rows) if n != "oracle"]
     colours = plt.get_cmap("tab10")
     fig, ax = plt.subplots(figsize=(1.6 * len(fractions) + 3, 0.7 * len(settings) + 1.5))
     for i, setting in enumerate(settings):
@@ -451,7 +463,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
         mine = [r for r in rows if r["experiment"] == "map" and r["setting"] == setting]
         full = next(r for r in mine if r["policy"] == "full")
         accuracy = full["metric"] == "accuracy"
-        for k, name in enumerate(MAP_POLICIES):
+        for k, name in enumerate(_map_policies(mine)):
             pts = sorted((r["budget"], r["value"] if accuracy else r["value"] - full["value"])
                          for r in mine if r["policy"] == name)
             style = dict(color="k", linestyle="--") if name == "oracle" else dict(color=colours(k), marker="o", ms=3)

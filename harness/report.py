@@ -74,13 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list:
-    from harness.evaluate import POLICY_NAMES, run_comparison
+    from harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
     from models.data import load_book
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICY_NAMES))
+    unknown = sorted(set(policies) - set(POLICY_NAMES + LEARNED_NAMES))
     if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
+        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES + LEARNED_NAMES)}")
     if args.context % args.evict_every:
         raise SystemExit(f"--context ({args.context}) must be a multiple of --evict-every ({args.evict_every})")
     budgets = parse_budgets(args.budgets, args.context)

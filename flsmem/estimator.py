@@ -1,0 +1,502 @@
+"""A learned importance estimator, trained online from the labels that mature H queries
+after each decision.
+
+A small :class:`ImportanceNet` scores every slot from cheap per-slot features. The
+label it learns is free: ``horizon`` queries after a snapshot of a slot's features,
+the slot's demonstrated utility over those queries is known,
+
+    label = log(1 + sum over the next ``horizon`` queries of w_s * n_s * a_s(i)),
+
+with w_s the correctness weight of query s and n_s * a_s(i) the attention relative to
+uniform (n_s the items the query could attend, so 1 means "as much as any item", and
+the label means the same at every memory size). The policy ranks slots by the
+predicted label, so it decides at commit lag H = 0 without paying the lag's memory.
+
+Every ``horizon`` queries a row snapshots its slots' features; at the next snapshot the
+slots that are still held (the same item, by its birth step) get their labels, and the
+network takes one optax step on the squared prediction error. The parameters and the
+optimizer state live in the memory's ``aux``, so online learning is a pure function
+of the state inside a jitted loop, with no retrace. A step whose loss or gradient is
+not finite is skipped and counted; a score that is not finite falls back to the
+``rmm`` score for the row (``stats.fallbacks``).
+
+Features (each chosen because one baseline or the oracle's behaviour depends on it):
+
+* the scores of H2O (attention summed over the slot's life) and RMM (the same,
+  weighted by correctness), so the network can at least rank as they do;
+* attention relative to uniform, summed, weighted by correctness, both also per query
+  of age (the means do not grow with age), the last query's (what TOVA ranks by), the
+  largest and a fast moving average (recent use);
+* the correctness weight of the prediction that produced the item: an item the model
+  itself produced, confidently and correctly, is the kind an endogenous reuse reads
+  back later;
+* log age and age relative to the stream's length (how long it has been useful);
+* log key and value norms at write time (key-norm eviction ranks by the first);
+* log position: the first items of a stream are attention sinks (StreamingLLM keeps
+  them whatever their age).
+
+Labels are censored by eviction: only items still held a horizon later are labelled,
+so the estimator learns from what its policy kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+
+from flsmem.policies import Observation, Policy, SlotView, _check_nonneg_int, _check_positive, _require
+from flsmem.typing import Array, Float, PyTree
+
+__all__ = [
+    "FEATURES",
+    "ImportanceNet",
+    "Weights",
+    "carry_over",
+    "features",
+    "from_checkpoint",
+    "init_params",
+    "learned",
+    "load",
+    "load_settings",
+    "predict",
+    "save",
+]
+
+# Evidence columns.
+_H2O, _RMM, _SUM, _UTILITY, _LAST, _MAX, _RECENT, _PRODUCER, _KEY_NORM, _VALUE_NORM = range(10)
+_NUM_EVIDENCE = 10
+# The fast moving average of relative attention halves every query.
+_RECENT_DECAY = 0.5
+
+FEATURES = (
+    "log_h2o_score",
+    "log_rmm_score",
+    "log_attention_sum",
+    "log_utility_sum",
+    "log_attention_mean",
+    "log_utility_mean",
+    "log_last_attention",
+    "log_max_attention",
+    "log_recent_attention",
+    "producer_weight",
+    "log_age",
+    "relative_age",
+    "log_key_norm",
+    "log_value_norm",
+    "log_position",
+)
+
+
+class ImportanceNet(nnx.Module):
+    """Two hidden layers: features ``[..., F]`` to the predicted label ``[...]``."""
+
+    def __init__(self, hidden: int, *, rngs: nnx.Rngs):
+        self.inner = nnx.Linear(len(FEATURES), hidden, rngs=rngs)
+        self.middle = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.outer = nnx.Linear(hidden, 1, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "*N F"]) -> Float[Array, "*N"]:
+        h = nnx.gelu(self.inner(x))
+        h = nnx.gelu(self.middle(h))
+        return self.outer(h)[..., 0]
+
+
+@functools.lru_cache(maxsize=None)
+def _graphdef(hidden: int):
+    return nnx.split(nnx.eval_shape(lambda: ImportanceNet(hidden, rngs=nnx.Rngs(0))))[0]
+
+
+def init_params(hidden: int = 32, seed: int = 0) -> PyTree:
+    """Fresh parameters of an :class:`ImportanceNet`, as a plain dict of arrays."""
+    _require(isinstance(hidden, int) and hidden >= 1, f"hidden must be an int >= 1, got {hidden!r}")
+    _check_nonneg_int("seed", seed)
+    return nnx.to_pure_dict(nnx.split(ImportanceNet(hidden, rngs=nnx.Rngs(seed)))[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _shapes(hidden: int) -> PyTree:
+    return nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: ImportanceNet(hidden, rngs=nnx.Rngs(0))))[1])
+
+
+def _hidden_of(params: PyTree) -> int:
+    return int(params["inner"]["kernel"].shape[-1])
+
+
+def predict(params: PyTree, x: Float[Array, "*N F"]) -> Float[Array, "*N"]:
+    """The network's output for features ``x`` (see :data:`FEATURES`)."""
+    return nnx.merge(_graphdef(_hidden_of(params)), params)(x)
+
+
+def features(evidence: Float[Array, "B K S E"], age, step, position) -> Float[Array, "B K S F"]:
+    """The :data:`FEATURES` of every slot from its evidence, ``age [B, K, S]``, the
+    row's ``step [B]`` (queries so far) and the items' ``position [B, K, S]``."""
+    a = jnp.maximum(age, 1).astype(jnp.float32)
+    steps = jnp.asarray(step, jnp.float32)[:, None, None] + 1.0
+
+    def log(x):
+        return jnp.log1p(jnp.maximum(x, 0.0))
+
+    e = evidence
+    columns = [
+        # The baselines' own scores; attention sums span decades, hence the log.
+        jnp.log(1e-3 + jnp.maximum(e[..., _H2O], 0.0)),
+        jnp.log(1e-3 + jnp.maximum(e[..., _RMM], 0.0)),
+        log(e[..., _SUM]),
+        log(e[..., _UTILITY]),
+        log(e[..., _SUM] / a),
+        log(e[..., _UTILITY] / a),
+        log(e[..., _LAST]),
+        log(e[..., _MAX]),
+        log(e[..., _RECENT]),
+        e[..., _PRODUCER],
+        jnp.log(a),
+        jnp.minimum(a / steps, 1.0),
+        log(e[..., _KEY_NORM]),
+        log(e[..., _VALUE_NORM]),
+        log(position.astype(jnp.float32)),
+    ]
+    return jnp.stack(columns, axis=-1)
+
+
+# --------------------------------------------------------------------- frozen weights
+
+
+class Weights:
+    """Estimator parameters frozen into a policy.
+
+    Hashed and compared by content, so a policy that holds them is a static argument
+    of ``jax.jit``: equal weights give equal policies and no retrace.
+    """
+
+    def __init__(self, params: PyTree):
+        leaves = jax.tree.leaves(params)
+        _require(bool(leaves), "params must be a non-empty pytree of arrays")
+        self.params = jax.tree.map(lambda x: np.array(x, copy=True), params)
+        digest = hashlib.sha256()
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]:
+            leaf.setflags(write=False)
+            digest.update(jax.tree_util.keystr(path).encode())
+            digest.update(str((leaf.dtype, leaf.shape)).encode())
+            digest.update(leaf.tobytes())
+        self.digest = digest.hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Weights) and other.digest == self.digest
+
+    def __repr__(self) -> str:
+        return f"Weights({self.digest[:12]})"
+
+
+def save(path, params: PyTree, settings: dict | None = None) -> None:
+    """Write estimator parameters to the directory ``path`` (created; it must not
+    exist): an orbax checkpoint in ``path/params`` and, when given, the ``settings``
+    they were trained with (horizon, label, ...) in ``path/settings.json``."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    root = _absolute(path)
+    if root.exists():
+        raise ValueError(f"estimator checkpoint {str(path)!r} exists; choose a new directory")
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(root / "params", jax.tree.map(np.asarray, params))
+    if settings is not None:
+        (root / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def load(path) -> Weights:
+    """Read estimator parameters written by :func:`save` (or by
+    ``train/train_estimator.py``) as :class:`Weights` for :func:`learned`.
+
+    Raises:
+      ValueError: the directory is missing, or its content is not a complete estimator
+        checkpoint (truncated or corrupted files); nothing partial is returned.
+    """
+    import orbax.checkpoint as ocp
+
+    full = _absolute(path) / "params"
+    if not full.is_dir():
+        raise ValueError(f"estimator checkpoint {str(path)!r} has no params directory")
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(full)
+            tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
+            width = int(_leaf_shape(tree["inner"]["kernel"])[-1])
+            target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _shapes(width))
+            params = checkpointer.restore(full, target)
+        weights = Weights(jax.tree.map(np.asarray, params))
+    except Exception as error:  # orbax raises many kinds; none may leave partial state
+        raise ValueError(f"estimator checkpoint {str(path)!r} could not be read: {error}") from error
+    if not all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(weights.params)):
+        raise ValueError(f"estimator checkpoint {str(path)!r} holds non-finite parameters")
+    return weights
+
+
+def load_settings(path) -> dict:
+    """The settings saved beside the parameters by :func:`save` ({} if none)."""
+    import json
+
+    file = _absolute(path) / "settings.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def _leaf_shape(meta) -> tuple[int, ...]:
+    return tuple(getattr(meta, "shape", np.shape(meta)))
+
+
+def _absolute(path):
+    from pathlib import Path
+
+    return Path(path).absolute()
+
+
+# ------------------------------------------------------------------------- policy
+
+
+def _optimizer(policy: Policy) -> optax.GradientTransformation:
+    # Clipping keeps one burst of large labels from throwing the network off.
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(policy.p["learning_rate"]))
+
+
+def _init_evidence(policy, payload, position, birth):
+    """Key and value norms of the new items (payload ``{"k", "v"}``; another payload
+    gives the norm of its first leaf as the key norm and no value norm)."""
+    leaves = payload if isinstance(payload, dict) and "k" in payload else {"k": jax.tree.leaves(payload)[0]}
+
+    def norm(x):
+        x = x.astype(jnp.float32)
+        return jnp.sqrt(jnp.sum(x * x, axis=tuple(range(3, x.ndim))))
+
+    zeros = jnp.zeros(position.shape, jnp.float32)
+    columns = [zeros] * _NUM_EVIDENCE
+    columns[_KEY_NORM] = norm(leaves["k"])
+    columns[_VALUE_NORM] = norm(leaves["v"]) if "v" in leaves else zeros
+    return jnp.stack(columns, axis=-1)
+
+
+def _init_aux(policy, batch, kv_heads, slots):
+    weights = policy.p["weights"]
+    params = (
+        init_params(policy.p["hidden"], policy.p["seed"]) if weights is None
+        else jax.tree.map(jnp.asarray, weights.params)
+    )
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    rows = (batch, kv_heads, slots)
+    return {
+        "params": params,
+        "opt": _optimizer(policy).init(params),
+        "snap_features": jnp.zeros(rows + (len(FEATURES),), jnp.float32),
+        "gathered": jnp.zeros(rows, jnp.float32),
+        "snap_birth": jnp.full(rows, -1, jnp.int32),
+        "last_weight": jnp.zeros((batch,), jnp.float32),
+        "loss": jnp.full((), jnp.nan, jnp.float32),
+        "labels": jnp.zeros((), jnp.int32),
+        "updates": jnp.zeros((), jnp.int32),
+        "skipped": jnp.zeros((), jnp.int32),
+    }
+
+
+def carry_over(aux: PyTree, layers_axis: bool = True) -> PyTree:
+    """What an estimator learned in a run, to start the next run's memories from.
+
+    Given the policy state ``aux`` a run ended with, returns the learned entries only
+    (parameters, optimizer state, loss and counters), averaged over a leading layer
+    axis when ``layers_axis`` (integer entries such as the counters and Adam's step
+    count keep their dtype, rounded down); the per-stream entries (snapshots) are left
+    out, so the next run may have another batch size or budget. Merge it into a fresh
+    state: ``state.replace(aux=state.aux | carry_over(old_aux))``.
+    """
+
+    def mean(x):
+        if not layers_axis:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.integer):
+            return (jnp.sum(x, axis=0) // x.shape[0]).astype(x.dtype)
+        return jnp.mean(x, axis=0)
+
+    return {name: jax.tree.map(mean, aux[name]) for name in ("params", "opt", "loss", "labels", "updates", "skipped")}
+
+
+def _fold(policy, view: SlotView, obs: Observation, aux):
+    e = view.evidence
+    n = jnp.sum(view.present, axis=-1, keepdims=True).astype(jnp.float32)
+    z = obs.attention * n
+    w = obs.weight[:, None, None]
+    arriving = view.age == 1
+    columns = [
+        e[..., _H2O] + obs.attention,
+        e[..., _RMM] + w * obs.attention,
+        e[..., _SUM] + z,
+        e[..., _UTILITY] + w * z,
+        z,
+        jnp.maximum(e[..., _MAX], z),
+        _RECENT_DECAY * e[..., _RECENT] + z,
+        # The item arriving now is the token the previous query predicted.
+        jnp.where(arriving, aux["last_weight"][:, None, None], e[..., _PRODUCER]),
+        e[..., _KEY_NORM],
+        e[..., _VALUE_NORM],
+    ]
+    evidence = jnp.where(view.present[..., None], jnp.stack(columns, axis=-1), e)
+    # The utility each slot has shown since its row's last snapshot: the label to be.
+    shown = w * z
+    gathered = jnp.maximum(aux["gathered"], shown) if policy.p["label"] == "peak" else aux["gathered"] + shown
+    aux = dict(aux, last_weight=obs.weight, gathered=jnp.where(view.present, gathered, aux["gathered"]))
+    after = view.step + 1
+    due = after % policy.p["horizon"] == 0
+    if policy.p["online"]:
+        aux = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due),
+                       lambda aux: aux, aux)
+    return evidence, aux
+
+
+def _ranking_loss(prediction, label, held):
+    """Pairwise logistic loss over the labelled slots of each row: for every pair whose
+    labels differ, -log sigmoid of the prediction gap in the labels' order, weighted by
+    how much the labels differ (eviction only needs each row's order right)."""
+    gap = label[..., :, None] - label[..., None, :]  # [B, K, S, S]
+    pair = held[..., :, None] & held[..., None, :] & (gap > 0)
+    margin = prediction[..., :, None] - prediction[..., None, :]
+    weight = jnp.where(pair, gap, 0.0)
+    return jnp.sum(weight * jax.nn.softplus(-margin)) / jnp.maximum(jnp.sum(weight), 1e-6)
+
+
+def _learn(policy, view: SlotView, evidence, due, aux):
+    """At a row's snapshot step: label the slots of the last snapshot still held, take
+    one optimizer step on their squared error, then snapshot the slots held now."""
+    rows = due[:, None, None]
+    held = rows & view.present & (aux["snap_birth"] == view.birth)
+    label = jnp.log1p(jnp.maximum(aux["gathered"], 0.0))
+    count = jnp.sum(held)
+
+    def loss_fn(params):
+        prediction = predict(params, aux["snap_features"])
+        if policy.p["loss"] == "squared":
+            error = jnp.where(held, prediction - label, 0.0)
+            return jnp.sum(error * error) / jnp.maximum(count, 1).astype(jnp.float32)
+        return _ranking_loss(prediction, label, held)
+
+    loss, grads = jax.value_and_grad(loss_fn)(aux["params"])
+    finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    updates, opt = _optimizer(policy).update(grads, aux["opt"], aux["params"])
+    params = optax.apply_updates(aux["params"], updates)
+    take = finite & (count > 0)
+    keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(take, new, old))
+    now = features(evidence, view.age, view.step + 1, view.position)
+    return dict(
+        aux,
+        params=keep(params, aux["params"]),
+        opt=keep(opt, aux["opt"]),
+        loss=jnp.where(take, loss, aux["loss"]),
+        labels=aux["labels"] + jnp.where(take, count, 0).astype(jnp.int32),
+        updates=aux["updates"] + take.astype(jnp.int32),
+        skipped=aux["skipped"] + ((count > 0) & ~finite).astype(jnp.int32),
+        snap_features=jnp.where(rows[..., None], now, aux["snap_features"]),
+        gathered=jnp.where(rows, 0.0, aux["gathered"]),
+        snap_birth=jnp.where(rows, jnp.where(view.present, view.birth, -1), aux["snap_birth"]),
+    )
+
+
+def _score(policy, view: SlotView, aux):
+    return predict(aux["params"], features(view.evidence, view.age, view.step, view.position))
+
+
+def _score_rmm(policy, view: SlotView, aux):
+    return view.evidence[..., _RMM]
+
+
+def _monitor(policy, aux):
+    batch = aux["last_weight"].shape[-1]
+
+    def per_row(x):
+        return jnp.broadcast_to(x[..., None], x.shape + (batch,))
+
+    return {
+        "estimator_loss": per_row(aux["loss"]),
+        "estimator_labels": per_row(aux["labels"]),
+        "estimator_updates": per_row(aux["updates"]),
+        "estimator_skipped": per_row(aux["skipped"]),
+    }
+
+
+def learned(
+    weights: Weights | None = None, *, online: bool = True, learning_rate: float = 1e-3,
+    horizon: int = 32, label: str = "peak", loss: str = "squared", hidden: int = 32, seed: int = 0, sinks: int = 0, recent: int = 0,
+    lag: int = 0,
+) -> Policy:
+    """The learned importance estimator as a policy.
+
+    Rule: score = the :class:`ImportanceNet`'s prediction of the slot's demonstrated
+    utility over the next ``horizon`` queries, from its :data:`FEATURES`; with
+    ``online`` the network learns from each label as it matures (one optax step per
+    ``horizon`` queries, pooled over the memory's rows). A row with a non-finite score
+    is ranked by the ``rmm`` score.
+
+    Args:
+      weights: pretrained parameters (:func:`load`); None starts from a fresh network
+        drawn with ``seed`` (online from scratch).
+      online: keep learning while serving.
+      learning_rate: Adam step size of the online updates.
+      horizon: queries over which a label is gathered, and the update period.
+      label: "peak", the largest correctness-weighted relative attention the slot gets
+        over the horizon (was it needed by some correct prediction?), or "sum", the
+        total (how much was it used?).
+      loss: "squared" error of the predicted label, or "ranking", a pairwise logistic
+        loss on the order of each row's labels.
+      hidden: width of the network (ignored when ``weights`` are given).
+      sinks, recent, lag: protection, as for every policy (0 decides at H = 0).
+    """
+    _require(weights is None or isinstance(weights, Weights),
+             f"weights must be flsmem.estimator.Weights (from load) or None, got {type(weights).__name__}")
+    _require(isinstance(online, bool), f"online must be a bool, got {online!r}")
+    _check_positive("learning_rate", learning_rate)
+    _require(label in ("peak", "sum"), f"label must be 'peak' or 'sum', got {label!r}")
+    _require(loss in ("squared", "ranking"), f"loss must be 'squared' or 'ranking', got {loss!r}")
+    _require(isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1,
+             f"horizon must be an int >= 1, got {horizon!r}")
+    _require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
+             f"hidden must be an int >= 1, got {hidden!r}")
+    _check_nonneg_int("seed", seed)
+    if weights is not None:
+        hidden = _hidden_of(weights.params)
+        shapes = jax.tree.map(np.shape, weights.params)
+        expected = jax.tree.map(np.shape, _shapes(hidden))
+        _require(shapes == expected, f"weights must fit an ImportanceNet of width {hidden}: "
+                                     f"expected shapes {expected}, got {shapes}")
+    return Policy(
+        name="learned", score=_score, fold=_fold, init_evidence=_init_evidence, init_aux=_init_aux,
+        fallback_score=_score_rmm, monitor=_monitor, num_evidence=_NUM_EVIDENCE,
+        sinks=sinks, recent=recent, lag=lag,
+        params=(("weights", weights), ("online", online), ("learning_rate", float(learning_rate)),
+                ("horizon", horizon), ("label", label), ("loss", loss), ("hidden", hidden), ("seed", seed)),
+    )
+
+
+def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, fresh: bool = False,
+                    **protection) -> Policy:
+    """The :func:`learned` policy with the weights saved at ``path`` and the horizon,
+    label and loss they were trained with (``settings.json``).
+
+    Args:
+      path: a directory written by :func:`save` or ``train/train_estimator.py``.
+      online: keep learning while serving.
+      learning_rate: step size of the online updates.
+      fresh: start from a fresh network of the same width instead of the saved
+        weights (learning from scratch, with the same settings).
+      protection: ``sinks``, ``recent``, ``lag`` (0 by default: decide at H = 0).
+    """
+    weights = load(path)
+    settings = load_settings(path)
+    return learned(None if fresh else weights, online=online, learning_rate=learning_rate,
+                   hidden=_hidden_of(weights.params), horizon=settings.get("horizon", 32),
+                   label=settings.get("label", "peak"), loss=settings.get("loss", "squared"), **protection)

@@ -1,0 +1,69 @@
+"""Offline pretraining of the estimator: checkpoints, resume, export; the learned report."""
+
+import jax
+import numpy as np
+import pytest
+
+from flsmem import estimator as E
+from harness import learned as L
+from train import train_estimator as T
+
+
+def _options(tmp_path, **changes):
+    base = dict(batches=3, sources=("tasks",), fractions=(1 / 2, 1.0), horizon=8, windows=2,
+                task_context=128, save_every=1, workdir=str(tmp_path / "work"), progress=False)
+    return T.EstimatorOptions(**(base | changes))
+
+
+def test_resumed_run_matches_an_unbroken_run_and_exports(tmp_path):
+    unbroken = T.train(_options(tmp_path, workdir=str(tmp_path / "a"), out=str(tmp_path / "out")))
+    assert int(unbroken["updates"]) > 0 and np.isfinite(float(unbroken["loss"]))
+    # Stopped after two batches (as a kill after the second checkpoint), then resumed.
+    T.train(_options(tmp_path, workdir=str(tmp_path / "b"), batches=2))
+    resumed = T.train(_options(tmp_path, workdir=str(tmp_path / "b")))
+    for a, b in zip(jax.tree.leaves(unbroken), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    weights = E.load(tmp_path / "out")
+    for a, b in zip(jax.tree.leaves(unbroken["params"]), jax.tree.leaves(weights.params)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert E.load_settings(tmp_path / "out")["horizon"] == 8
+
+
+def test_resume_refuses_other_settings(tmp_path):
+    T.train(_options(tmp_path, batches=1))
+    with pytest.raises(ValueError, match="written with settings"):
+        T.train(_options(tmp_path, batches=2, horizon=16))
+    T.train(_options(tmp_path, batches=2))  # more batches of the same run are fine
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"sources": ("books",)}, "sources"),
+        ({"fractions": (0.0,)}, "fractions"),
+        ({"task_context": 100}, "task_context"),
+        ({"batches": 0}, "batches"),
+        ({"label": "mean"}, "label"),
+    ],
+)
+def test_bad_options(tmp_path, changes, match):
+    with pytest.raises(ValueError, match=match):
+        _options(tmp_path, **changes)
+
+
+def _row(setting, policy, fraction, value, metric="accuracy", per_seed=None):
+    return {"experiment": "map", "setting": setting, "policy": policy, "fraction": fraction, "value": value,
+            "metric": metric, "per_seed": per_seed or [value], "budget": int(256 * fraction)}
+
+
+def test_targets_name_each_check():
+    rows = [
+        _row("repeat", "learned", 0.125, 0.9), _row("repeat", "rmm", 0.125, 0.5), _row("repeat", "h2o", 0.125, 0.95),
+        _row("text:tiny", "learned", 0.125, 2.005, "nll"), _row("text:tiny", "rmm", 0.125, 2.0, "nll"),
+        _row("text:tiny", "h2o", 0.125, 1.99, "nll"),
+    ]
+    checks = L.targets(rows)
+    assert [ok for _, ok in checks] == [True, False, True]  # 2.005 <= 1.01 * 1.99 = 2.0099
+    assert "rmm" in checks[0][0] and "h2o" in checks[1][0] and "text:tiny" in checks[2][0]
+    rows[3]["value"] = 2.03
+    assert [ok for _, ok in L.targets(rows)] == [True, False, False]

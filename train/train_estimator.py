@@ -1,0 +1,267 @@
+"""Pretrain the learned importance estimator offline, on traces of the training split.
+
+Run ``python -m train.train_estimator --help`` for the options; the shipped checkpoint's
+command is in ``checkpoints/estimator/README.md``.
+
+Offline pretraining is the online rule run over many more streams than one serving
+run sees: batches of training-split windows are streamed through a model under the
+``learned`` policy at a budget, the estimator takes its optax step whenever labels
+mature, and what it learned is carried to the next batch
+(:func:`flsmem.estimator.carry_over`, the layers' copies averaged). Sources take
+turns: the task model on the controlled tasks (``tasks``), the tiny model on prose
+(``tiny``) and SmolLM2-135M on prose (``smollm2``); budgets take turns too, and a
+budget of 1 (the whole window, nothing evicted) gives every slot its label, where
+smaller budgets show the estimator the memories its own policy keeps.
+
+Orbax checkpoints in ``--workdir`` every ``--save-every`` batches hold the parameters,
+the optimizer state and the batch count; batch ``i`` is drawn from a generator seeded
+with ``(seed, i)``, so a killed run started again with the same command continues from
+the last checkpoint exactly. ``--out DIR`` writes the final parameters alone
+(:func:`flsmem.estimator.save`), read back by :func:`flsmem.estimator.load`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from flsmem import estimator as E
+
+__all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
+
+SOURCES = ("tasks", "tiny", "smollm2")
+DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_estimator"
+CHUNK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorOptions:
+    """Settings of one pretraining run (the command-line options).
+
+    Attributes:
+      batches: window batches streamed in the whole run.
+      sources: the sources that take turns (see :data:`SOURCES`).
+      fractions: budgets as fractions of the window, taking turns per round of sources.
+      horizon, label, loss, learning_rate, hidden: the estimator's (see
+        :func:`flsmem.estimator.learned`).
+      recent: the recent window, as a fraction of the budget (the harness gives the
+        learned policy half the budget, as it gives h2o and rmm).
+      windows: windows per batch (tiny models); SmolLM2 streams a quarter as many.
+      task_context, text_context: tokens per window of the tasks and of the prose.
+      seed: seeds the fresh network and the data.
+      workdir, resume, save_every, keep: orbax checkpoints, as in train_decoder.
+      out: write the final parameters here (must not exist).
+      progress: show the progress bar.
+    """
+
+    batches: int = 48
+    sources: tuple[str, ...] = ("tasks", "tiny")
+    fractions: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1.0)
+    horizon: int = 32
+    label: str = "peak"
+    loss: str = "squared"
+    learning_rate: float = 3e-3
+    hidden: int = 32
+    recent: float = 0.5
+    windows: int = 32
+    task_context: int = 256
+    text_context: int = 256
+    seed: int = 0
+    workdir: str = str(DEFAULT_WORKDIR)
+    resume: bool = True
+    save_every: int = 8
+    keep: int = 2
+    out: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("batches", "windows", "save_every", "keep", "horizon", "hidden"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        unknown = sorted(set(self.sources) - set(SOURCES))
+        if not self.sources or unknown:
+            raise ValueError(f"sources must be a non-empty subset of {SOURCES}, got {self.sources}")
+        if not 0 <= self.recent < 1:
+            raise ValueError(f"recent must lie in [0, 1), got {self.recent}")
+        if not self.fractions or not all(0 < f <= 1 for f in self.fractions):
+            raise ValueError(f"fractions must lie in (0, 1], got {self.fractions}")
+        for name in ("task_context", "text_context"):
+            if getattr(self, name) < CHUNK or getattr(self, name) % CHUNK:
+                raise ValueError(f"{name} must be a positive multiple of {CHUNK}, got {getattr(self, name)}")
+        if self.out is not None and Path(self.out).exists():
+            raise ValueError(f"out {self.out!r} exists; choose a new directory")
+        E.learned(horizon=self.horizon, label=self.label, loss=self.loss, learning_rate=self.learning_rate,
+                  hidden=self.hidden)
+
+    def run_settings(self) -> dict:
+        """The options that decide the trajectory: a resumed run must share them."""
+        # Nothing depends on the total: a run may be extended by raising --batches.
+        skip = {"batches", "workdir", "resume", "save_every", "keep", "out", "progress"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+class _Source:
+    """A model and how to draw a batch of training windows for it."""
+
+    def __init__(self, name: str, options: EstimatorOptions):
+        from models.data import ByteTokenizer, load_split
+
+        self.name = name
+        text = load_split("train")
+        if name == "tasks":
+            from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+
+            self.model = load_tiny(TASKS_CHECKPOINT_DIR)[0]
+            self.tokens, self.context, self.count = ByteTokenizer().encode(text), options.task_context, options.windows
+        elif name == "tiny":
+            from models.tiny import load_tiny
+
+            self.model = load_tiny()[0]
+            self.tokens, self.context, self.count = ByteTokenizer().encode(text), options.text_context, options.windows
+        else:
+            from models.smollm2 import load_smollm2
+
+            self.model, tokenizer = load_smollm2()
+            self.tokens = np.asarray(tokenizer.encode(text), np.int32)
+            self.context, self.count = options.text_context, max(1, options.windows // 4)
+
+    def draw(self, rng: np.random.Generator) -> np.ndarray:
+        from models.data import random_windows
+        from models.tasks import TASKS, make_tasks
+
+        if self.name == "tasks":
+            kind = TASKS[int(rng.integers(len(TASKS)))]
+            return make_tasks(kind, self.tokens, self.count, self.context, seed=int(rng.integers(2**31))).tokens
+        return random_windows(self.tokens, self.count, self.context, rng)
+
+
+def _plan(options: EstimatorOptions, batch: int) -> tuple[str, float]:
+    turn = len(options.sources)
+    return options.sources[batch % turn], options.fractions[(batch // turn) % len(options.fractions)]
+
+
+def train(options: EstimatorOptions) -> dict:
+    """Pretrain (or resume pretraining) the estimator; returns the learned state
+    (:func:`flsmem.estimator.carry_over` form)."""
+    from harness.evaluate import evaluate_windows
+
+    policy = E.learned(horizon=options.horizon, label=options.label, loss=options.loss,
+                       learning_rate=options.learning_rate, hidden=options.hidden, seed=options.seed)
+    fresh = policy.init_aux(policy, 1, 1, 1)
+    learned = E.carry_over(fresh, layers_axis=False)
+    settings = json.loads(json.dumps(options.run_settings()))
+    workdir = Path(options.workdir).absolute()
+    manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=options.keep, create=True))
+    start = 0
+    if options.resume and manager.latest_step() is not None:
+        start = manager.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, learned)
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        if restored["meta"]["settings"] != settings:
+            raise ValueError(f"the checkpoint in {workdir} was written with settings {restored['meta']['settings']}, "
+                             f"not {settings}; use another --workdir, or --no-resume to start afresh there")
+        learned = restored["state"]
+    elif manager.all_steps():
+        for step in manager.all_steps():
+            manager.delete(step)
+
+    def save(done: int) -> None:
+        manager.save(done, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(learned), meta=ocp.args.JsonSave({"batch": done, "settings": settings})),
+            force=True)
+
+    sources: dict[str, _Source] = {}
+    log = (workdir / "metrics.jsonl").open("a" if start else "w")
+    bar = tqdm(total=options.batches, initial=start, disable=not options.progress, desc="estimator", unit="batch")
+    started = time.perf_counter()
+    try:
+        for batch in range(start, options.batches):
+            name, fraction = _plan(options, batch)
+            if name not in sources:
+                sources[name] = _Source(name, options)
+            source = sources[name]
+            windows = source.draw(np.random.default_rng([options.seed, batch]))
+            budget = max(CHUNK, int(round(float(Fraction(fraction).limit_denominator(64)) * source.context)))
+            protected = policy.replace(recent=int(options.recent * budget))
+            _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned)
+            learned = E.carry_over(stats["aux"])
+            loss = float(learned["loss"])
+            record = {"batch": batch + 1, "source": name, "budget": budget, "loss": loss,
+                      "labels": int(learned["labels"]), "skipped": int(learned["skipped"])}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(source=name, budget=budget, loss=f"{loss:.3f}")
+            if (batch + 1) % options.save_every == 0 or batch + 1 == options.batches:
+                save(batch + 1)
+    finally:
+        bar.close()
+        log.close()
+        manager.wait_until_finished()
+        manager.close()
+    if options.batches > start:
+        print(f"streamed batches {start}..{options.batches} in {time.perf_counter() - started:.0f} s; "
+              f"last loss {float(learned['loss']):.4f}")
+    if options.out is not None:
+        E.save(options.out, learned["params"], options.run_settings())
+        print(f"wrote the estimator to {options.out}")
+    return learned
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = EstimatorOptions()
+    p = argparse.ArgumentParser(prog="python -m train.train_estimator",
+                                description="Pretrain the learned importance estimator on training-split traces.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batches", type=int, default=d.batches, help="window batches in the whole run")
+    p.add_argument("--sources", default=",".join(d.sources), help=f"comma-separated, from {SOURCES}")
+    p.add_argument("--fractions", default="1/8,1/4,1/2,1", help="budgets as fractions of the window, in turn")
+    p.add_argument("--horizon", type=int, default=d.horizon, help="queries per label and update")
+    p.add_argument("--label", default=d.label, choices=("peak", "sum"), help="label kind")
+    p.add_argument("--loss", default=d.loss, choices=("squared", "ranking"), help="loss of the online step")
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="Adam step size")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="network width")
+    p.add_argument("--recent", type=float, default=d.recent, help="recent window, as a fraction of the budget")
+    p.add_argument("--windows", type=int, default=d.windows, help="windows per batch (SmolLM2: a quarter)")
+    p.add_argument("--task-context", type=int, default=d.task_context, help="tokens per task window")
+    p.add_argument("--text-context", type=int, default=d.text_context, help="tokens per prose window")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds the fresh network and the data")
+    p.add_argument("--workdir", default=d.workdir, help="orbax checkpoints and metrics.jsonl")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="continue from the latest checkpoint in --workdir (--no-resume deletes them)")
+    p.add_argument("--save-every", type=int, default=d.save_every, help="batches between checkpoints")
+    p.add_argument("--keep", type=int, default=d.keep, help="checkpoints kept")
+    p.add_argument("--out", default=None, metavar="DIR", help="write the final parameters here")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
+    return p
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(Fraction(part.strip())) for part in text.split(","))
+    except (ValueError, ZeroDivisionError) as error:
+        raise ValueError(f"--fractions must be comma-separated fractions like 1/8,1/2,1, got {text!r}") from error
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command-line entry point."""
+    args = vars(_parser().parse_args(argv))
+    args["sources"] = tuple(s.strip() for s in args["sources"].split(","))
+    args["fractions"] = _fractions(args["fractions"])
+    return train(EstimatorOptions(**args))
+
+
+if __name__ == "__main__":
+    main()
