@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from flsmem.policies import Policy
 
@@ -11,9 +12,12 @@ __all__ = ["MemoryConfig", "IMPLEMENTATIONS"]
 IMPLEMENTATIONS = ("pallas", "xla", None)
 
 
-def _positive_int(name: str, value) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+def _positive_int(name: str, value) -> int:
+    # numpy integers are accepted (a budget read from an array) and stored as int, so
+    # equal configs hash equally; bools and floats are not counts.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +53,10 @@ class MemoryConfig:
                 f"policy must be a flsmem.policies.Policy (e.g. flsmem.policies.h2o()), "
                 f"got {type(self.policy).__name__}"
             )
-        _positive_int("budget", self.budget)
-        _positive_int("evict_every", self.evict_every)
-        _positive_int("max_chunk", self.max_chunk)
+        for name in ("budget", "evict_every", "max_chunk"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        if not isinstance(self.interpret, bool):
+            raise ValueError(f"interpret must be a bool, got {self.interpret!r}")
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"

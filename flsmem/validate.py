@@ -15,10 +15,44 @@ def _fail(message: str):
 
 
 def check_state(state) -> None:
+    """The state is a :class:`~flsmem.MemoryState` whose arrays agree with each other and
+    with its config (a state edited by hand, restored from elsewhere or taken apart by
+    a transformation fails here, not deep inside a policy). The payload may be None:
+    per-query loops carry the state without it."""
     from flsmem.state import MemoryState
 
     if not isinstance(state, MemoryState):
         _fail(f"state must be a flsmem.MemoryState (from flsmem.init), got {type(state).__name__}")
+    valid = state.valid
+    if np.ndim(valid) != 3 or jnp.result_type(valid) != jnp.bool_:
+        _fail(f"state.valid must be a bool array [B, K, S], got {jnp.result_type(valid)}{list(_shape(valid))} "
+              "(a memory stacked over layers must be mapped over, e.g. with jax.vmap or lax.map)")
+    rows = _shape(valid)
+    capacity = state.config.capacity
+    if rows[2] != capacity:
+        _fail(f"state has {rows[2]} slots per row but its config's capacity is {capacity} "
+              "(budget + evict_every + max_chunk - 1); build the state with flsmem.init(config, ...)")
+    num_evidence = state.config.policy.num_evidence
+    fields = (
+        ("position", state.position, rows, jnp.int32),
+        ("birth", state.birth, rows, jnp.int32),
+        ("score", state.score, rows, jnp.float32),
+        ("evidence", state.evidence, rows + (num_evidence,), jnp.float32),
+        ("step", state.step, rows[:1], jnp.int32),
+    )
+    for name, value, shape, dtype in fields:
+        if _shape(value) != shape or jnp.result_type(value) != dtype:
+            _fail(f"state.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
+                  f"{jnp.result_type(value)}{list(_shape(value))}")
+    for path, value in jax.tree_util.tree_flatten_with_path(state.stats)[0]:
+        if _shape(value) != rows[:1]:
+            _fail(f"state.stats{jax.tree_util.keystr(path)} must have shape [B] = {list(rows[:1])}, "
+                  f"got {list(_shape(value))}")
+    if state.payload is not None:
+        for path, value in jax.tree_util.tree_flatten_with_path(state.payload)[0]:
+            if _shape(value)[:3] != rows:
+                _fail(f"state.payload{jax.tree_util.keystr(path)} must be [B, K, S, ...] with [B, K, S] = "
+                      f"{list(rows)}, got {list(_shape(value))}")
 
 
 def _shape(x) -> tuple[int, ...]:
