@@ -29,14 +29,25 @@ def block(x):
     return jax.block_until_ready(x)
 
 
-def time_once(fn: Callable[[], object]) -> float:
+def time_once(fn) -> float:
+    """Seconds one call of ``fn`` takes. ``fn`` is a callable, or a pair
+    ``(prepare, run)``: ``prepare()`` makes the arguments (untimed; a fresh copy of a
+    cache that ``run`` donates) and ``run(*args)`` is timed."""
+    prepare, run = fn if isinstance(fn, tuple) else (lambda: (), fn)
+    args = block(prepare())
     start = time.perf_counter()
-    block(fn())
+    block(run(*args))
     return time.perf_counter() - start
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int, *, warmup: int = 1) -> dict[str, list[float]]:
-    """Seconds per call of each function, ``rounds`` times, the variants interleaved.
+def fresh(tree):
+    """A pair's ``prepare``: a new copy of ``tree`` for a call that donates it."""
+    return lambda: (jax.tree.map(jnp.copy, tree),)
+
+
+def interleaved(fns: dict[str, object], rounds: int, *, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds per call of each function (see :func:`time_once`), ``rounds`` times,
+    the variants interleaved.
 
     The order of the variants rotates from round to round so that none always runs
     right after the same neighbour (caches, frequency, the other engineer's jobs).

@@ -45,7 +45,12 @@ def plain_cache(cfg: DecoderConfig, batch: int, slots: int, filled: int, key) ->
 
 
 def plain_step(model: Decoder, cache: dict, logits, t):
-    """One greedy decode step at position ``t`` with the plain ring cache."""
+    """One greedy decode step at position ``t`` with the plain ring cache.
+
+    Built like the flsmem path of :class:`models.decoder.Decoder`: the caches of all
+    layers ride in the layer loop's carry and the new key and value are written in
+    place at this layer's index; only the memory bookkeeping differs.
+    """
     cfg = model.cfg
     b = logits.shape[0]
     slots = cache["position"].shape[0]
@@ -56,24 +61,28 @@ def plain_step(model: Decoder, cache: dict, logits, t):
     visible = position >= 0  # [S]: a ring only holds the past
     scale = cfg.head_dim ** -0.5
     graphdef, stacked = nnx.split(model.blocks)
+    zero = jnp.zeros((), jnp.int32)
 
-    def layer(x, per_layer):
-        params, k_cache, v_cache = per_layer
+    def layer(carry, per_layer):
+        x, k_all, v_all = carry
+        params, index = per_layer
         block = nnx.merge(graphdef, params)
         attn = block.attn
         h = block.attn_norm(x)
         q = rope(attn.q(h).reshape(b, 1, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
         k = rope(attn.k(h).reshape(b, 1, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = attn.v(h).reshape(b, 1, cfg.kv_heads, cfg.head_dim)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, jnp.swapaxes(k, 1, 2), slot, axis=2)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, jnp.swapaxes(v, 1, 2), slot, axis=2)
-        scores = jnp.einsum("BTKGD,BKSD->BKGTS", q, k_cache) * scale
+        at = (index, zero, zero, slot, zero)
+        k_all = jax.lax.dynamic_update_slice(k_all, jnp.swapaxes(k, 1, 2)[None].astype(k_all.dtype), at)
+        v_all = jax.lax.dynamic_update_slice(v_all, jnp.swapaxes(v, 1, 2)[None].astype(v_all.dtype), at)
+        scores = jnp.einsum("BTKGD,BKSD->BKGTS", q, k_all[index]) * scale
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, v_cache)
+        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, v_all[index])
         x = x + attn.o(out.reshape(b, 1, -1))
-        return x + block.mlp(block.mlp_norm(x)), (k_cache, v_cache)
+        return (x + block.mlp(block.mlp_norm(x)), k_all, v_all), None
 
-    x, (k_all, v_all) = jax.lax.scan(layer, model.embed(token[:, None]), (stacked, cache["k"], cache["v"]))
+    carry = (model.embed(token[:, None]), cache["k"], cache["v"])
+    (x, k_all, v_all), _ = jax.lax.scan(layer, carry, (stacked, jnp.arange(cfg.depth)))
     x = model.norm(x)
     out = model.embed.attend(x) if model.head is None else model.head(x)
     return PlainCache(k_all, v_all, position), out[:, 0].astype(jnp.float32), token
@@ -114,13 +123,15 @@ def steady_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+# The cache is donated: the loop updates it in place, as a server would, rather than
+# copying it once per call (a copy that would weigh more on the larger cache).
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnums=(2,))
 def run_plain(graphdef, params, cache, logits, start, *, steps):
     """The jitted plain loop; returns the final cache and logits."""
     return plain_loop(nnx.merge(graphdef, params), cache, logits, start, steps)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"), donate_argnums=(2,))
 def run_flsmem(graphdef, params, memories, logits, start, *, steps):
     """The jitted flsmem serving loop; returns the final memories and logits."""
     return decode_loop(nnx.merge(graphdef, params), memories, logits, start, steps)[0]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -66,17 +65,17 @@ def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int
     fns, compile_s = {}, {}
     for ee in evict_every:
         cache = plain_cache(cfg, batch, budget + ee, start, key)
-        fns[f"plain/{ee}"] = lambda c=cache: run_plain(graphdef, params, c, logits, start, steps=steps)
+        fns[f"plain/{ee}"] = (common.fresh(cache),
+                              lambda c: run_plain(graphdef, params, c, logits, start, steps=steps))
         for pol in pols:
             config = flsmem.MemoryConfig(policy=POLICIES[pol](), budget=budget, evict_every=ee)
             memories = steady_memories(cfg, config, batch, start, key)
-            fns[f"{pol}/{ee}"] = lambda m=memories: run_flsmem(graphdef, params, m, logits, start, steps=steps)
-    # Compile time of each loop, apart from the timed runs (lower + compile, no cache).
+            fns[f"{pol}/{ee}"] = (common.fresh(memories),
+                                  lambda m: run_flsmem(graphdef, params, m, logits, start, steps=steps))
+    # First call of each loop (trace, compile and one run), with no compilation cached.
     for label, fn in fns.items():
         jax.clear_caches()
-        begin = time.perf_counter()
-        common.block(fn())
-        compile_s[label] = time.perf_counter() - begin
+        compile_s[label] = common.time_once(fn)
     times = common.interleaved(fns, rounds)
     r = {}
     for ee in evict_every:

@@ -11,7 +11,7 @@ from flsmem.evict import priority
 from flsmem.state import MemoryState
 from flsmem.typing import Array, Bool, Int, PyTree
 
-__all__ = ["write"]
+__all__ = ["write", "write_slots"]
 
 
 def _ranked_targets(state: MemoryState, q: int):
@@ -65,6 +65,39 @@ def write(
     Returns:
       The memory with the items written.
     """
+    state, target, payload = _write_slots(state, payload, position, mask)
+    b, k, _ = state.valid.shape
+    bi = jnp.arange(b)[:, None, None]
+    ki = jnp.arange(k)[None, :, None]
+    put = lambda dest, new: dest.at[bi, ki, target].set(new, mode="drop")  # noqa: E731
+    return state.replace(payload=jax.tree.map(put, state.payload, payload))
+
+
+def write_slots(
+    state: MemoryState,
+    payload: PyTree,
+    position: Int[Array, "B"] | Int[Array, "B Q"],
+    mask: Bool[Array, "B"] | Bool[Array, "B Q"] | None = None,
+) -> tuple[MemoryState, Int[Array, "B K Q"]]:
+    """:func:`write` for a caller that stores the payload itself.
+
+    Everything :func:`write` does except putting the payload into ``state.payload``,
+    which is returned unchanged (it is only read for its shapes): a decoder whose
+    caches of all layers live in one stacked array writes the new keys and values in
+    place there, instead of copying out one layer's cache and back.
+
+    Returns:
+      ``(state, target)``: the memory with the items' slots filled in, and ``[B, K, Q]``
+      int32, the slot of each item (``S``, out of range, for a masked one). Put item
+      ``[b, k, q]`` of the payload at slot ``target[b, k, q]`` of row ``(b, k)``.
+    """
+    state, target, _ = _write_slots(state, payload, position, mask)
+    return state, target
+
+
+def _write_slots(state, payload, position, mask):
+    """``write`` without the payload: returns the state, the targets and the payload
+    normalised to chunks ``[B, K, Q, ...]``."""
     payload, position, mask, q = validate.write_args(state, payload, position, mask)
     b, k, s = state.valid.shape
     birth = state.step[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
@@ -88,8 +121,7 @@ def write(
     stats = state.stats.replace(
         forced_writes=state.stats.forced_writes + jnp.sum(forced, axis=(1, 2), dtype=jnp.int32)
     )
-    return state.replace(
-        payload=jax.tree.map(put, state.payload, payload),
+    state = state.replace(
         position=put(state.position, per_head(position)),
         valid=put(state.valid, jnp.ones((b, k, q), jnp.bool_)),
         birth=put(state.birth, per_head(birth)),
@@ -97,3 +129,4 @@ def write(
         score=put(state.score, jnp.zeros((b, k, q), jnp.float32)),
         stats=stats,
     )
+    return state, target, payload

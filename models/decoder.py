@@ -24,6 +24,7 @@ from flax import nnx
 
 import flsmem
 from flsmem.typing import Array, Float, Int
+from flsmem.write import write_slots
 
 __all__ = ["DecoderConfig", "Decoder", "TINY", "SMOLLM2_135M", "init_memories", "update_memories", "rope"]
 
@@ -113,14 +114,16 @@ class Attention(nnx.Module):
         self.v = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
         self.o = linear(cfg.q_heads * cfg.head_dim, cfg.width)
 
-    def __call__(self, x, positions, memory: flsmem.MemoryState | None, window: int | None = None):
+    def __call__(self, x, positions, memories: flsmem.MemoryState | None, window: int | None = None, layer=None):
+        """Attention of ``x``; with ``memories`` (all layers', stacked) the new keys and
+        values go into layer ``layer``'s memory and the queries attend over it."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
         k = rope(self.k(x).reshape(b, t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         scale = cfg.head_dim ** -0.5
-        if memory is None:
+        if memories is None:
             logits = jnp.einsum("BTKGD,BSKD->BKGTS", q, k) * scale
             gap = positions[:, None, None, :, None] - positions[:, None, None, None, :]
             causal = (gap >= 0) if window is None else (gap >= 0) & (gap <= window)
@@ -128,13 +131,28 @@ class Attention(nnx.Module):
             out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
             return self.o(out.reshape(b, t, -1)), None, None
         kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
-        memory = flsmem.write(memory, kv, positions)
-        logits = jnp.einsum("BTKGD,BKSD->BKGTS", q, memory.payload["k"]) * scale
+        # The caches of all layers stay in one stacked array, carried through the layer
+        # loop: the new items are written there in place. (Taking this layer's memory
+        # out and putting it back would copy its whole cache twice per step.) The
+        # payload in `memory` is only read for its shapes, so its slice is never made.
+        memory = jax.tree.map(lambda a: a[layer], memories)
+        memory, target = write_slots(memory, kv, positions)
+        bi = jnp.arange(b)[:, None, None]
+        ki = jnp.arange(cfg.kv_heads)[None, :, None]
+        payload = jax.tree.map(
+            lambda cache, new: cache.at[layer, bi, ki, target].set(new.astype(cache.dtype), mode="drop"),
+            memories.payload, kv,
+        )
+        logits = jnp.einsum("BTKGD,BKSD->BKGTS", q, payload["k"][layer]) * scale
         visible = flsmem.visible(memory, t)[:, :, None]  # [B, K, 1, T, S]
         probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
-        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, memory.payload["v"])
+        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, payload["v"][layer])
         attention = flsmem.reduce_query_heads(probs, memory.config.policy)  # [B, K, T, S]
-        return self.o(out.reshape(b, t, -1)), memory, attention
+        memories = jax.tree.map(
+            lambda stacked, one: stacked.at[layer].set(one),
+            memories.replace(payload=None), memory.replace(payload=None),
+        ).replace(payload=payload)
+        return self.o(out.reshape(b, t, -1)), memories, attention
 
 
 class MLP(nnx.Module):
@@ -154,10 +172,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, memory, window=None):
-        h, memory, attention = self.attn(self.attn_norm(x), positions, memory, window)
+    def __call__(self, x, positions, memories, window=None, layer=None):
+        h, memories, attention = self.attn(self.attn_norm(x), positions, memories, window, layer)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), memory, attention
+        return x + self.mlp(self.mlp_norm(x)), memories, attention
 
 
 class Decoder(nnx.Module):
@@ -223,12 +241,17 @@ class Decoder(nnx.Module):
                 raise ValueError("window applies to the plain path; with memories, use the window policy")
         graphdef, stacked = nnx.split(self.blocks)
 
-        def layer(x, per_layer):
-            params, memory = per_layer
-            x, memory, attention = nnx.merge(graphdef, params)(x, positions, memory, window)
-            return x, (memory, attention)
+        # The memories ride in the carry (updated in place at each layer's index), not
+        # in the scanned inputs and outputs, which would copy every cache per step.
+        def layer(carry, per_layer):
+            x, memories = carry
+            params, index = per_layer
+            x, memories, attention = nnx.merge(graphdef, params)(x, positions, memories, window, index)
+            return (x, memories), attention
 
-        x, (memories, attention) = jax.lax.scan(layer, self.embed(tokens), (stacked, memories))
+        (x, memories), attention = jax.lax.scan(
+            layer, (self.embed(tokens), memories), (stacked, jnp.arange(self.cfg.depth))
+        )
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return logits.astype(jnp.float32), memories, attention
