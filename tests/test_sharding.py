@@ -1,0 +1,220 @@
+"""Scale-out: a memory and its decode sharded over batch rows and KV heads on 8 devices
+give exactly what one device gives.
+
+XLA's device count is fixed when jax starts, so the 8-device tests run in a child
+pytest of this same module with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+(8 simulated CPU devices); ``test_eight_simulated_devices`` starts it and fails if any
+of them fails or is skipped. In the parent process they skip.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+import flsmem
+from flsmem import checkpoint, sharding
+from flsmem import estimator as E
+from flsmem import policies as P
+
+DEVICES = 8
+CHILD = "FLSMEM_SHARDING_CHILD"
+multidevice = pytest.mark.skipif(jax.device_count() < DEVICES, reason="runs in the 8-device child process")
+
+B, K, G, D, T = 8, 4, 2, 8, 24  # batch, KV heads, query heads per KV head, head dim, steps
+
+
+def test_eight_simulated_devices():
+    if os.environ.get(CHILD):
+        pytest.skip("this is the child process")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", **{CHILD: "1"})
+    env.pop("PYTEST_ADDOPTS", None)
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    report = child.stdout + child.stderr
+    assert child.returncode == 0, report
+    # Every multi-device test ran; only this launcher skipped itself.
+    counts = re.search(r"(\d+) passed, 1 skipped", report)
+    assert counts and int(counts.group(1)) >= 8, report
+
+
+def test_partition_specs_follow_rows_and_replicate_shared_state():
+    config = flsmem.MemoryConfig(E.learned(horizon=4, hidden=8), budget=6, evict_every=2)
+    state = flsmem.init(config, 3, 2, {"k": (D,), "v": (D,)})
+    specs = sharding.partition_specs(state)
+    rows = PartitionSpec("batch", "heads")
+    assert specs.payload == {"k": rows, "v": rows}
+    assert (specs.position, specs.valid, specs.evidence, specs.step) == (rows, rows, rows, PartitionSpec("batch"))
+    assert specs.stats.evictions == PartitionSpec("batch")
+    # Per-row snapshots split with the rows; the network is shared and replicated.
+    assert specs.aux["snap_features"] == PartitionSpec("batch", "heads", None, None)
+    assert specs.aux["last_weight"] == PartitionSpec("batch")
+    assert specs.aux["params"]["inner"]["kernel"] == PartitionSpec(None, None)
+    assert specs.aux["loss"] == PartitionSpec()
+    kalman = flsmem.init(flsmem.MemoryConfig(P.kalman(adaptive=True), budget=4), 3, 2, {"k": (D,)})
+    assert sharding.partition_specs(kalman, head_axis=None).aux == PartitionSpec("batch", None, None)
+
+
+# --------------------------------------------------------------- 8 devices
+
+
+def _tables(key):
+    """Keys, values and queries of a synthetic decode: ``[B, K, T, D]`` and ``[B, K, T, G, D]``."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    keys = jax.random.normal(k1, (B, K, T, D))
+    values = jax.random.normal(k2, (B, K, T, D))
+    # Queries aligned with a few keys make heavy hitters, so policies disagree.
+    queries = 2.0 * jax.random.normal(k3, (B, K, T, G, D)) + 3.0 * keys[:, :, :1, None, :]
+    return keys, values, queries
+
+
+def decode(state, keys, values, queries, *, mesh=None):
+    """T steps of decode against the memory: write the step's key and value, attend with
+    G query heads over the visible slots, fold the attention (correctness: the
+    attention's peak) and evict. Returns the final state and the outputs ``[T, B, K, G, D]``."""
+
+    def step(state, t):
+        kv = {"k": keys[:, :, t], "v": values[:, :, t]}
+        state = flsmem.write(state, kv, jnp.full((B,), t, jnp.int32))
+        logits = jnp.einsum("bkgd,bksd->bkgs", queries[:, :, t], state.payload["k"]) / np.sqrt(D)
+        seen = flsmem.visible(state)[:, :, None, :]
+        probs = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+        out = jnp.einsum("bkgs,bksd->bkgd", probs, state.payload["v"])
+        attention = flsmem.reduce_query_heads(probs, state.config.policy)
+        correctness = jnp.max(attention, axis=(1, 2))
+        future = attention if state.config.policy.needs_future else None
+        state = flsmem.update(state, attention, correctness, future)
+        if mesh is not None:
+            state = sharding.constrain(state, mesh)
+        return state, out
+
+    return jax.lax.scan(step, state, jnp.arange(T))
+
+
+POLICIES = {
+    "h2o": P.h2o(recent=1),
+    "rmm": P.rmm(lag=2, decay=0.95),
+    "kalman": P.kalman(adaptive=True, lag=1),
+    "snapkv": P.snapkv(3, kernel_size=3),
+    "random": P.random(seed=1),
+    "learned": E.learned(horizon=4, hidden=8, learning_rate=1e-2),
+}
+
+
+def _assert_identical(a, b, inexact=()):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        name = jax.tree_util.keystr(path)
+        if name in inexact:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+
+
+# Each case compiles the decode twice: the 2 x 4 mesh for most policies, batch rows
+# alone over all 8 devices for one.
+CASES = [(name, (2, 4)) for name in POLICIES if name != "rmm"] + [("rmm", (8, 1))]
+
+
+@multidevice
+@pytest.mark.parametrize("name, mesh_shape", CASES, ids=[f"{n}-mesh{m[0]}x{m[1]}" for n, m in CASES])
+def test_sharded_decode_equals_one_device(name, mesh_shape):
+    """Everything the memory holds and every decode output is bit for bit the same. Two
+    exceptions agree to float32 rounding: the monitoring counter ``stats.evicted_score``
+    sums evicted scores over KV heads, so with heads split the sum runs across devices
+    in another order; and the learned policy's network (see below)."""
+    config = flsmem.MemoryConfig(POLICIES[name], budget=6, evict_every=2)
+    fresh = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
+    tables = _tables(jax.random.key(7))
+    run = jax.jit(decode, static_argnames="mesh")
+    one_state, one_out = run(jax.device_put(fresh, jax.devices()[0]), *jax.device_put(tables, jax.devices()[0]))
+
+    mesh = sharding.make_mesh(*mesh_shape)
+    state = sharding.shard(fresh, mesh)
+    keys, values, queries = (jax.device_put(x, sharding.row_sharding(mesh, x.ndim, per_head=True)) for x in tables)
+    many_state, many_out = run(state, keys, values, queries, mesh=mesh)
+
+    # Each device holds its own block of rows, all slots.
+    blocks = (B // mesh_shape[0], K // mesh_shape[1], config.capacity)
+    assert many_state.valid.sharding.shard_shape(many_state.valid.shape) == blocks
+    assert len(many_state.valid.sharding.device_set) == DEVICES
+    inexact = (".stats.evicted_score",) if mesh_shape[1] > 1 else ()
+    if name == "learned":
+        # The network's matmuls run on blocks of rows of another size, and XLA's CPU
+        # kernels round a dot product differently for different block shapes; the
+        # gradient is pooled over rows across devices. Scores, evidence and the
+        # network agree to float32 rounding; what is kept is exactly the same.
+        inexact = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(one_state)[0]
+                   if jnp.issubdtype(x.dtype, jnp.floating) and not jax.tree_util.keystr(path).startswith(".payload")]
+    _assert_identical(one_state, many_state, inexact)
+    np.testing.assert_array_equal(np.asarray(one_out), np.asarray(many_out))
+    assert int(one_state.stats.evictions.sum()) > 0
+
+
+@multidevice
+def test_shard_map_update_runs_the_pallas_kernel_per_device():
+    """shard_map hands each device its own batch rows, so the Pallas top-k (here in
+    interpret mode) runs on local blocks; it keeps exactly what one device's jnp
+    reference keeps."""
+    config = flsmem.MemoryConfig(P.h2o(recent=1), budget=6, evict_every=2)
+    kernel = config.replace(implementation="pallas", interpret=True)
+    batch = B
+    keys, values, queries = _tables(jax.random.key(8))
+    mesh = sharding.make_mesh(DEVICES, 1)
+    update = sharding.shard_map_update(mesh)
+
+    @jax.jit
+    def run(state):
+        def step(state, t):
+            state = flsmem.write(state, {"k": keys[:, :, t], "v": values[:, :, t]}, jnp.full((batch,), t, jnp.int32))
+            logits = jnp.einsum("bkgd,bksd->bkgs", queries[:, :, t], state.payload["k"])
+            probs = jax.nn.softmax(jnp.where(flsmem.visible(state)[:, :, None], logits, -jnp.inf), axis=-1)
+            attention = flsmem.reduce_query_heads(probs, "mean")
+            if state.config.implementation == "pallas":
+                return update(state, attention, jnp.ones((batch,))), None
+            return flsmem.update(state, attention, jnp.ones((batch,))), None
+
+        return jax.lax.scan(step, state, jnp.arange(T))[0]
+
+    reference = run(flsmem.init(config, batch, K, {"k": (D,), "v": (D,)}))
+    sharded = run(sharding.shard(flsmem.init(kernel, batch, K, {"k": (D,), "v": (D,)}), mesh, head_axis=None))
+    assert sharded.valid.sharding.shard_shape(sharded.valid.shape) == (1, K, config.capacity)
+    # The evicted-score counter is a float sum over each row's slots, which XLA rounds
+    # differently for a block of 1 row than for 8; the rest is bit for bit.
+    _assert_identical(reference, sharded, inexact=(".stats.evicted_score",))
+
+
+@multidevice
+def test_sharded_checkpoint_restores_onto_the_mesh(tmp_path):
+    config = flsmem.MemoryConfig(POLICIES["rmm"], budget=6, evict_every=2)
+    mesh = sharding.make_mesh(2, 4)
+    fresh = sharding.shard(flsmem.init(config, B, K, {"k": (D,), "v": (D,)}), mesh)
+    state, _ = jax.jit(decode, static_argnames="mesh")(fresh, *_tables(jax.random.key(9)), mesh=mesh)
+    checkpoint.save_state(tmp_path / "memory", state)
+    restored = checkpoint.restore_state(tmp_path / "memory", like=fresh)
+    _assert_identical(state, restored)
+    assert restored.evidence.sharding == state.evidence.sharding
+
+
+@multidevice
+def test_bad_meshes_are_named():
+    state = flsmem.init(flsmem.MemoryConfig(P.h2o(), budget=4), 3, 4, {"k": (D,)})
+    with pytest.raises(ValueError, match="batch B = 3 must divide evenly over mesh axis 'batch' of size 2"):
+        sharding.shard(state, sharding.make_mesh(2, 4))
+    explicit = jax.make_mesh((2, 4), ("batch", "heads"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="needs Auto axes"):
+        sharding.shard(state, explicit)
+    with pytest.raises(ValueError, match="'rows' is not an axis"):
+        sharding.shard(state, sharding.make_mesh(1, 4), batch_axis="rows")
+    learned = flsmem.init(flsmem.MemoryConfig(E.learned(hidden=4), budget=4), 8, 1, {"k": (D,)})
+    with pytest.raises(ValueError, match="cannot run the learned policy"):
+        sharding.shard_map_update(sharding.make_mesh(8))(learned, jnp.zeros((8, 1, learned.slots)))
