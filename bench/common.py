@@ -1,9 +1,8 @@
 """What every benchmark shares: interleaved timing, the machine, models, results files.
 
-Timings on a shared 2-core machine are noisy, so no bare time is ever reported:
-the compared variants run interleaved, round after round, each round gives one ratio
-per variant against the baseline of the same round, and the median over rounds is
-reported (with the lowest and highest round beside it).
+Timings on a shared 2-core machine are noisy, so no bare time is ever reported: a
+variant and its baseline run back to back, round after round, each pair gives one
+ratio, and the median over rounds is reported (with the lowest and highest beside it).
 """
 
 from __future__ import annotations
@@ -35,9 +34,28 @@ def time_once(fn) -> float:
     cache that ``run`` donates) and ``run(*args)`` is timed."""
     prepare, run = fn if isinstance(fn, tuple) else (lambda: (), fn)
     args = block(prepare())
-    start = time.perf_counter()
+    start = CLOCKS[_clock]()
     block(run(*args))
-    return time.perf_counter() - start
+    return CLOCKS[_clock]() - start
+
+
+# "wall": elapsed time. "cpu": CPU time of this process, all its threads: steadier
+# when other jobs share the cores, since time spent waiting for a core is not counted.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = "wall"
+
+
+def set_clock(name: str) -> None:
+    """Choose the clock of :func:`time_once`: "wall" or "cpu"."""
+    global _clock
+    if name not in CLOCKS:
+        raise ValueError(f"clock must be one of {tuple(CLOCKS)}, got {name!r}")
+    _clock = name
+
+
+def add_clock_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
 
 
 def fresh(tree):
@@ -74,6 +92,26 @@ def ratios(times: dict[str, list[float]], baseline: str) -> dict[str, dict[str, 
     return out
 
 
+def paired(baseline, variants: dict[str, object], rounds: int) -> dict[str, dict[str, float]]:
+    """Time ratio of each variant to the baseline, from back-to-back pairs.
+
+    Each round times, for every variant, the baseline and the variant right after one
+    another (in alternating order), so that both see the same load; the ratio of the
+    pair is one sample. Returns per variant the median, lowest and highest sample.
+    """
+    for fn in [baseline, *variants.values()]:
+        time_once(fn)  # compile and warm up
+    samples = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, fn in variants.items():
+            if r % 2:
+                t_var, t_base = time_once(fn), time_once(baseline)
+            else:
+                t_base, t_var = time_once(baseline), time_once(fn)
+            samples[name].append(t_var / t_base)
+    return {name: {"median": statistics.median(v), "low": min(v), "high": max(v)} for name, v in samples.items()}
+
+
 def machine() -> dict[str, object]:
     """The machine in words (no paths, no host names)."""
     return {
@@ -98,7 +136,7 @@ def save(name: str, payload: dict) -> pathlib.Path:
     """Write ``results/bench/<name>.json`` with the command and the machine added."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"command": command(), "machine": machine(), **payload}
+    record = {"command": command(), "machine": machine(), "clock": _clock, **payload}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 

@@ -5,7 +5,7 @@ For each model, batch size, policy and ``evict_every``: the library's serving lo
 due) against the same decoder with a plain fixed-size ring cache of the same resident
 size (``budget + evict_every`` slots, no scores, no eviction), both in steady state at
 position ``2 * budget``. Overhead = median over rounds of (flsmem time / plain time) - 1,
-the two loops interleaved in every round. A timed call is ``steps`` decode steps (a
+the two loops timed back to back in every round. A timed call is ``steps`` decode steps (a
 multiple of every ``evict_every``, so each call holds the same number of evictions).
 
     python -m bench.overhead            # the full table (tiny and SmolLM2, batch 1 and 8)
@@ -37,13 +37,15 @@ def parse(argv=None):
     parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=list(POLICIES))
     parser.add_argument("--evict-every", type=common.positive_ints, default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of back-to-back pairs; the median is reported")
     parser.add_argument("--quick", action="store_true",
-                        help="SmolLM2, batch 1, rmm, evict_every 8, 5 rounds; the last line is the overhead")
+                        help="SmolLM2, batch 1, rmm, evict_every 8, 9 rounds; the last line is the overhead")
     parser.add_argument("--out", default="overhead", help="name of the results/bench/<name>.json file")
+    common.add_clock_option(parser)
     args = parser.parse_args(argv)
+    common.set_clock(args.clock)
     if args.quick:
-        args.models, args.batch, args.policies, args.evict_every, args.rounds = ["smollm2"], [1], ["rmm"], [8], 5
+        args.models, args.batch, args.policies, args.evict_every, args.rounds = ["smollm2"], [1], ["rmm"], [8], 9
         if args.out == "overhead":
             args.out = "overhead-quick"
     if args.steps < 1 or args.rounds < 1:
@@ -76,11 +78,10 @@ def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int
     for label, fn in fns.items():
         jax.clear_caches()
         compile_s[label] = common.time_once(fn)
-    times = common.interleaved(fns, rounds)
     r = {}
     for ee in evict_every:
-        group = {label: ts for label, ts in times.items() if label.endswith(f"/{ee}")}
-        r.update(common.ratios(group, f"plain/{ee}"))
+        variants = {f"{pol}/{ee}": fns[f"{pol}/{ee}"] for pol in pols}
+        r.update(common.paired(fns[f"plain/{ee}"], variants, rounds))
     rows = []
     for ee in evict_every:
         for pol in pols:

@@ -1,0 +1,221 @@
+"""Assemble ``results/BENCHMARKS.md`` from the ``results/bench/*.json`` files.
+
+Every figure in the report is read from a file written by one benchmark command, and
+the command is printed beside its table. Missing files are reported as not run.
+
+    python -m bench.report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from bench.common import RESULTS
+
+OUT = pathlib.Path("results") / "BENCHMARKS.md"
+
+# Goals of issue 7 on the 2-core CPU.
+OVERHEAD_GOAL = 0.03
+SPEEDUP_GOAL = {1: 1.4, 8: 4.5}
+PYTHON_GOAL = 1000.0
+FLAT_TOLERANCE = 0.10
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def machine_line(record: dict) -> str:
+    m = record["machine"]
+    devices = ", ".join(sorted(set(m["devices"])))
+    return (f"{m['cpu_cores']}-core {m['cpu']} CPU ({m['os']}), backend {m['backend']} ({devices}), "
+            f"jax {m['jax']}, Python {m['python']}")
+
+
+def command_block(record: dict) -> list[str]:
+    clock = record.get("clock", "wall")
+    return ["", f"Command (clock: {clock}):", "", "```", record["command"], "```", ""]
+
+
+def overhead_section(record, quick) -> tuple[list[str], list[str]]:
+    models = ", ".join(sorted({row["model"] for row in record["rows"]}))
+    lines = [f"## Per-step overhead of flsmem in the decode loop ({models})", "",
+             "The serving loop (`models.generate.decode_loop`: write, attend, observe, smooth, evict when "
+             "due) against the same decoder with a plain ring cache of the same resident size "
+             "(`budget + evict_every` slots, no scores, no eviction), both in steady state at position "
+             "2 x budget (budget 256 for tiny, 512 for SmolLM2). Overhead = median over rounds of the time "
+             "ratio of back-to-back calls, minus 1; the range is the lowest and highest round. "
+             "First call = trace + compile + one run of the flsmem loop over the same for the plain loop "
+             "(the compile-time ratio).", "",
+             "| model | batch | policy | evict_every | overhead | rounds range | first call (compile) |",
+             "|---|---|---|---|---|---|---|"]
+    goals = []
+    for row in record["rows"]:
+        lines.append(f"| {row['model']} | {row['batch']} | {row['policy']} | {row['evict_every']} | "
+                     f"{pct(row['overhead'])} | {pct(row['overhead_low'])} .. {pct(row['overhead_high'])} | "
+                     f"x{row['first_call_ratio']:.2f} |")
+        if row["model"] == "smollm2" and row["evict_every"] == 8:
+            ok = row["overhead"] <= OVERHEAD_GOAL
+            goals.append(f"- Overhead <= 3% at evict_every=8, SmolLM2, batch {row['batch']}, {row['policy']}: "
+                         f"{pct(row['overhead'])} (rounds {pct(row['overhead_low'])} .. "
+                         f"{pct(row['overhead_high'])}): **{'holds' if ok else 'does not hold'}**.")
+    lines += command_block(record)
+    if quick:
+        row = quick["rows"][0]
+        lines += ["Quick form (SmolLM2, batch 1, rmm, evict_every 8; under 2 minutes; its last line is the "
+                  f"overhead): overhead {pct(row['overhead'])} (rounds {pct(row['overhead_low'])} .. "
+                  f"{pct(row['overhead_high'])})."]
+        lines += command_block(quick)
+    return lines, goals
+
+
+def profile_section(record) -> list[str]:
+    lines = ["## Profile: where the per-step overhead goes", "",
+             "Shares of a plain decode step (SmolLM2, rmm, budget 512), each from loops timed back to back "
+             "against the plain loop (see `bench/profile.py`): write + attention mask = the flsmem decoder "
+             "without `update`; observe + smooth = `update` with no eviction due; evict = one eviction per "
+             "call, amortised over its steps.", "",
+             "| batch | steps per eviction | write + mask | observe + smooth | evict | total |", "|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['batch']} | {row['steps']} | {pct(row['share_write'])} | "
+                     f"{pct(row['share_observe_smooth'])} | {pct(row['share_evict'])} | {pct(row['overhead'])} |")
+    return lines + command_block(record)
+
+
+def longctx_section(record) -> tuple[list[str], list[str]]:
+    lines = ["## Long context: full cache against budget 512", "",
+             f"Model {record['model']}. flsmem: rmm (lag 16), budget 512, evict_every 8. Full cache: the "
+             "plain loop with a slot for every position. Cost = step time over the flsmem loop's at the "
+             "first position (same batch), back-to-back pairs, median; speedup = tokens per second of "
+             "flsmem over the full cache = cost(full) / cost(flsmem). Peak memory = what XLA plans for the "
+             "compiled loop (arguments + outputs + temporaries - aliased), a property of the program.", "",
+             "| batch | position | cost flsmem | cost full | tokens/s flsmem / full | peak MB flsmem | peak MB full |",
+             "|---|---|---|---|---|---|---|"]
+    goals = []
+    by_batch: dict[int, list] = {}
+    for row in record["rows"]:
+        by_batch.setdefault(row["batch"], []).append(row)
+        lines.append(f"| {row['batch']} | {row['position']} | x{row['cost_flsmem']:.2f} | x{row['cost_full']:.2f} | "
+                     f"{row['speedup']:.2f}x | {row['peak_mb_flsmem']:.0f} | {row['peak_mb_full']:.0f} |")
+    for batch, rows in by_batch.items():
+        last = max(rows, key=lambda r: r["position"])
+        goal = SPEEDUP_GOAL.get(batch)
+        if goal is not None and last["position"] >= 8192:
+            ok = last["speedup"] >= goal
+            goals.append(f"- Tokens/s over the full cache at {last['position']} context, batch {batch}: "
+                         f"{last['speedup']:.2f}x against a goal of {goal}x: **{'holds' if ok else 'does not hold'}**.")
+        flat = last["cost_flsmem"] / min(rows, key=lambda r: r["position"])["cost_flsmem"]
+        goals.append(f"- Flat per-step cost, batch {batch}: flsmem's step at {last['position']} costs "
+                     f"x{flat:.2f} its step at {min(r['position'] for r in rows)} (full cache: "
+                     f"x{last['cost_full'] / min(rows, key=lambda r: r['position'])['cost_full']:.2f}): "
+                     f"**{'holds' if abs(flat - 1) <= FLAT_TOLERANCE else 'does not hold'}** "
+                     f"(within {100 * FLAT_TOLERANCE:.0f}%).")
+    return lines + command_block(record), goals
+
+
+def pyref_section(record) -> tuple[list[str], list[str]]:
+    lines = ["## Against a per-step Python implementation", "",
+             "The Python implementation (`bench/pyref.py`): a dict of slots per row, a Python loop adding "
+             "each slot's attention to its score, `min` over the unprotected slots for the victim; H2O with a "
+             "recent window of 16, one item in and one out per step. flsmem: the same rule "
+             "(`h2o(recent=16)`), write + update in a jitted scan. Both hold N items in each of the rows "
+             f"({record['rows'][0]['rows']} rows: SmolLM2's 30 layers x 3 KV heads at batch 1). Figure: "
+             "Python's time per step over flsmem's, median of back-to-back pairs.", "",
+             "| N | flsmem evict_every | faster per step | rounds range |", "|---|---|---|---|"]
+    goals = []
+    worst = {}
+    for row in record["rows"]:
+        lines.append(f"| {row['n']} | {row['evict_every']} | {row['speedup']:.0f}x | "
+                     f"{row['speedup_low']:.0f}x .. {row['speedup_high']:.0f}x |")
+        worst[row["evict_every"]] = min(worst.get(row["evict_every"], float("inf")), row["speedup"])
+    for ee, value in sorted(worst.items()):
+        goals.append(f"- At least 1,000x faster per step than the Python implementation (evict_every {ee}): "
+                     f"lowest over N {value:.0f}x: **{'holds' if value >= PYTHON_GOAL else 'does not hold'}**.")
+    return lines + command_block(record), goals
+
+
+def kernel_section(record) -> list[str]:
+    lines = ["## The top-k kernel against `lax.top_k`", "",
+             "Time of each `flsmem.kernels.topk_mask` implementation over a mask built from `lax.top_k` "
+             "(jitted, k fixed; back-to-back pairs, median). `reference` is the jnp sort, the CPU default; "
+             "`few_dropped` is the reference given `max_dropped` (what `evict` uses on schedule); `pallas` is "
+             f"the radix-select kernel, mode `{'interpret' if record['backend'] == 'cpu' else record['backend']}`"
+             + (": on CPU it runs in the Pallas interpreter, so these figures say nothing about its speed on "
+                "an accelerator." if record["backend"] == "cpu" else "."), "",
+             "| rows | N | k | implementation | mode | time / lax.top_k |", "|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['rows']} | {row['n']} | {row['k']} | {row['implementation']} | {row['mode']} | "
+                     f"{row['time_vs_lax_top_k']:.2f} |")
+    return lines + command_block(record)
+
+
+def build() -> str:
+    records = {name: load(name) for name in
+               ("overhead-tiny", "overhead", "overhead-quick", "profile", "longctx", "pyref", "kernel")}
+    any_record = next((r for r in records.values() if r), None)
+    lines = ["# Benchmarks (issue 7)", "",
+             "Generated by `python -m bench.report` from `results/bench/*.json`; `bash bench/run_all.sh` runs "
+             "every command below and then the report. Every speed figure is a ratio of two loops timed back "
+             "to back in one run (never a bare time): each pair of calls gives one ratio, the median over "
+             "rounds is reported with the lowest and highest. The machine was shared with another "
+             "engineer's CPU-heavy jobs, so single rounds vary widely; read the medians.", ""]
+    if any_record:
+        lines += [f"Machine: {machine_line(any_record)}. No accelerator.", ""]
+    gpu = {name: load(name) for name in ("gpu-kernel", "gpu-overhead")}
+    if not any(gpu.values()):
+        lines += ["GPU: no GPU was lent to this task, so `bench/gpu_check.sh` (kernel correctness, kernel "
+                  "against `lax.top_k`, decode overhead, on one GPU in under 5 minutes) has not been run and "
+                  "there are no GPU figures here.", ""]
+    goals = []
+    sections = []
+    for name in ("overhead-tiny", "overhead"):
+        if records[name]:
+            s, g = overhead_section(records[name], records["overhead-quick"] if name == "overhead" else None)
+            sections += s
+            goals += g
+    if records["profile"]:
+        sections += profile_section(records["profile"])
+    if records["longctx"]:
+        s, g = longctx_section(records["longctx"])
+        sections += s
+        goals += g
+    if records["pyref"]:
+        s, g = pyref_section(records["pyref"])
+        sections += s
+        goals += g
+    if records["kernel"]:
+        sections += kernel_section(records["kernel"])
+    for name, record in gpu.items():
+        if record:
+            body = kernel_section(record) if name == "gpu-kernel" else overhead_section(record, None)[0]
+            sections += [f"## GPU ({machine_line(record)})", ""] + body
+    missing = [name for name, r in records.items() if r is None]
+    lines += ["## Goals of issue 7", ""] + (goals or ["- no results yet"]) + [""]
+    if missing:
+        lines += [f"Not run yet: {', '.join(missing)}.", ""]
+    notes = pathlib.Path("bench") / "NOTES.md"
+    lines += sections
+    if notes.exists():
+        lines += ["", notes.read_text().strip(), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(OUT), help="where to write the report")
+    args = parser.parse_args(argv)
+    text = build()
+    pathlib.Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every benchmark behind results/BENCHMARKS.md, one after another (they would slow
+# each other down), then the report. About 40 minutes on a 2-core CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python}
+# tiny's steps take milliseconds, so its ratios need more rounds to settle.
+$python -m bench.overhead --models tiny --batch 1,8 --rounds 15 --out overhead-tiny
+$python -m bench.overhead --models smollm2 --batch 1,8 --rounds 7
+$python -m bench.overhead --quick
+$python -m bench.profile --batch 1,8
+$python -m bench.longctx --batch 1,8
+$python -m bench.pyref
+$python -m bench.kernel
+$python -m bench.report

@@ -1,0 +1,115 @@
+"""bench/: the loops it compares are the ones it claims, its commands check their input,
+and a tiny configuration of each runs end to end (seconds, not the real sizes)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flsmem
+from bench import common, kernel, overhead, pyref, report
+from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
+from flsmem import policies
+from models.decoder import Decoder, DecoderConfig
+
+CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
+MODEL = Decoder(CFG, nnx.Rngs(0))
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """Benchmarks write their JSON under a temporary directory, not results/."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def test_plain_loop_is_the_decoder_with_a_full_cache():
+    tokens = jax.random.randint(jax.random.key(1), (2, 20), 0, CFG.vocab_size)
+    expected = MODEL(tokens)[0]
+    cache = plain_cache(CFG, 2, 24, 0, jax.random.key(0))
+    graphdef, params = nnx.split(MODEL)
+    step = jax.jit(lambda params, cache, logits, t: plain_step(nnx.merge(graphdef, params), cache, logits, t))
+    got = []
+    for t in range(20):
+        # The step feeds the argmax of its logits: a one-hot of the next token forces it.
+        cache, logits, token = step(params, cache, jax.nn.one_hot(tokens[:, t], CFG.vocab_size), t)
+        np.testing.assert_array_equal(token, tokens[:, t])
+        got.append(logits)
+    np.testing.assert_allclose(jnp.stack(got, axis=1), expected, atol=1e-4)
+
+
+def test_ring_cache_wraps_and_steady_memories_evict_on_schedule():
+    cache = plain_cache(CFG, 1, 8, 13, jax.random.key(0))
+    assert sorted(np.asarray(cache["position"]).tolist()) == list(range(5, 13))
+    assert all(p % 8 == s for s, p in enumerate(np.asarray(cache["position"]).tolist()))
+    config = flsmem.MemoryConfig(policy=policies.rmm(lag=4), budget=16, evict_every=4)
+    memories = steady_memories(CFG, config, 2, 40, jax.random.key(0))
+    graphdef, params = nnx.split(MODEL)
+    logits = jnp.zeros((2, CFG.vocab_size))
+    after, _ = run_flsmem(graphdef, params, memories, logits, 40, steps=8)
+    # Two evictions due in 8 steps, each of 4 items from every row of every layer.
+    np.testing.assert_array_equal(after.stats.evictions, np.full((CFG.depth, 2), 2 * 4 * CFG.kv_heads))
+    assert int(after.stats.forced_writes.sum()) == 0
+    plain, _ = run_plain(graphdef, params, plain_cache(CFG, 2, 20, 40, jax.random.key(0)), logits, 40, steps=8)
+    assert sorted(np.asarray(plain["position"]).tolist()) == list(range(28, 48))
+
+
+def test_python_implementation_keeps_what_flsmem_keeps():
+    budget, steps = 20, 60
+    table = np.random.default_rng(0).random((steps, steps)).astype(np.float32)  # [query, position]
+    python = pyref.PythonMemory(rows=1, budget=budget)
+    python.fill(0)
+    config = flsmem.MemoryConfig(policy=policies.h2o(recent=pyref.RECENT), budget=budget)
+    memory = flsmem.init(config, 1, 1, {"k": ()})
+    write = jax.jit(lambda m, t: flsmem.write(m, {"k": jnp.zeros((1, 1))}, t[None]))
+    update = jax.jit(flsmem.update)
+    for t in range(steps):
+        slots = python.rows[0]
+        free = python.free[0][-1]
+        weights = {s: table[t, e["position"]] for s, e in slots.items()}
+        weights[free] = table[t, t]
+        python.step([None], [weights])
+        memory = write(memory, jnp.int32(t))
+        position = np.asarray(memory.position[0, 0])
+        attention = np.where(position >= 0, table[t, np.maximum(position, 0)], 0.0)
+        memory = update(memory, jnp.asarray(attention, jnp.float32)[None, None])
+        kept = set(np.asarray(memory.position[0, 0])[np.asarray(memory.valid[0, 0])].tolist())
+        assert kept == python.kept_positions()[0], f"step {t}"
+    assert len(kept) == budget
+
+
+@pytest.mark.parametrize(
+    "module,argv,message",
+    [
+        (overhead, ["--batch", "0"], "positive ints"),
+        (overhead, ["--batch", "one"], "positive ints"),
+        (overhead, ["--models", "gpt2"], "unknown"),
+        (overhead, ["--steps", "12", "--evict-every", "8"], "multiple"),
+        (overhead, ["--clock", "sundial"], "invalid choice"),
+        (pyref, ["--sizes", "8"], "recent window"),
+        (pyref, ["--rows", "0"], "--rows"),
+        (kernel, ["--skip", "cuda"], "unknown"),
+    ],
+)
+def test_bad_command_lines_fail_with_a_message(module, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        module.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_tiny_runs_and_report(results):
+    pyref.main(["--sizes", "24", "--rows", "2", "--evict-every", "1,4", "--steps", "4",
+                "--python-steps", "1", "--rounds", "1"])
+    kernel.main(["--sizes", "256", "--rows", "8", "--rounds", "1", "--skip", "pallas"])
+    record = json.loads((results / "pyref.json").read_text())
+    assert record["command"].startswith("python -m") or record["command"].startswith("python ")
+    assert {"jax", "cpu_cores"} <= set(record["machine"])
+    assert [r["evict_every"] for r in record["rows"]] == [1, 4]
+    assert all(r["speedup"] > 0 for r in record["rows"])
+    text = report.build()
+    assert "Against a per-step Python implementation" in text and "no GPU was lent" in text
+    assert "Not run yet: overhead-tiny, overhead" in text
