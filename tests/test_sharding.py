@@ -45,7 +45,7 @@ def test_eight_simulated_devices():
     assert child.returncode == 0, report
     # Every multi-device test ran; only this launcher skipped itself.
     counts = re.search(r"(\d+) passed, 1 skipped", report)
-    assert counts and int(counts.group(1)) >= 8, report
+    assert counts and int(counts.group(1)) >= 7, report
 
 
 def test_partition_specs_follow_rows_and_replicate_shared_state():
@@ -105,7 +105,6 @@ POLICIES = {
     "h2o": P.h2o(recent=1),
     "rmm": P.rmm(lag=2, decay=0.95),
     "kalman": P.kalman(adaptive=True, lag=1),
-    "snapkv": P.snapkv(3, kernel_size=3),
     "random": P.random(seed=1),
     "learned": E.learned(horizon=4, hidden=8, learning_rate=1e-2),
 }
@@ -122,7 +121,7 @@ def _assert_identical(a, b, inexact=()):
 
 # Each case compiles the decode twice: the 2 x 4 mesh for most policies, batch rows
 # alone over all 8 devices for one.
-CASES = [(name, (2, 4)) for name in POLICIES if name != "rmm"] + [("rmm", (8, 1))]
+CASES = [(name, (2, 4)) for name in ("h2o", "kalman", "random", "learned")] + [("rmm", (8, 1))]
 
 
 @multidevice

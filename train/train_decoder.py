@@ -34,10 +34,12 @@ import dataclasses
 import functools
 import json
 import math
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -159,6 +161,7 @@ class TrainResult:
       train_losses: ``(step, loss)`` for every step this run took (nats per byte).
       val: ``(step, loss)`` of each validation evaluation.
       final: ``{"val": loss, "test": loss}`` at the end of the run (empty if skipped).
+      interrupted: ``should_stop`` stopped the run early (a checkpoint was saved at ``step``).
     """
 
     model: Decoder
@@ -167,6 +170,7 @@ class TrainResult:
     train_losses: list[tuple[int, float]]
     val: list[tuple[int, float]]
     final: dict[str, float]
+    interrupted: bool = False
 
 
 def bits_per_byte(loss: float) -> float:
@@ -296,12 +300,17 @@ def _manager(options: TrainOptions) -> ocp.CheckpointManager:
     )
 
 
-def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
+def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
+          should_stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train (or resume training) a decoder on the Austen train split.
 
     Args:
       options: the run's settings.
       cfg: the model's shape (tests pass a smaller one).
+      should_stop: asked after every step; when it returns True the run saves a
+        checkpoint at that step and returns (``interrupted``), so a job told to stop
+        (SIGTERM, see :func:`main`) loses nothing. A run killed outright (SIGKILL)
+        resumes from its last checkpoint, at most ``save_every`` steps back.
 
     Returns:
       The model and the losses seen; see :class:`TrainResult`.
@@ -384,6 +393,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
     val: list[tuple[int, float]] = []
     bar = tqdm(total=stop, initial=min(start, stop), disable=not options.progress, desc="train", unit="step")
     started = time.perf_counter()
+    interrupted = False
     try:
         for step in range(start, stop):
             if options.data == "tasks":
@@ -403,6 +413,12 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
                 save(done)
             if options.eval_every and options.eval_windows and done % options.eval_every == 0:
                 val.append((done, validate(done, options.eval_windows, bar)))
+            if should_stop is not None and should_stop() and done < stop:
+                if done % options.save_every:
+                    save(done)
+                interrupted, stop = True, done
+                bar.write(f"stopped at step {done}; checkpoint saved in {workdir}")
+                break
     finally:
         bar.close()
         manager.wait_until_finished()
@@ -412,7 +428,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
         print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")
 
     final: dict[str, float] = {}
-    if stop == options.steps and options.final_eval_windows:
+    if stop == options.steps and options.final_eval_windows and not interrupted:
         final["val"] = validate(stop, options.final_eval_windows, None)
         test_tokens = tokenizer.encode(load_split("test"))
         count = options.final_eval_windows
@@ -428,9 +444,10 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY) -> TrainResult:
     metrics.close()
 
     model = nnx.merge(graphdef, params)
-    if options.export is not None:
+    if options.export is not None and not interrupted:
         print(f"exported parameters to {save_params(model, options.export)}")
-    return TrainResult(model=model, start_step=start, step=stop, train_losses=train_losses, val=val, final=final)
+    return TrainResult(model=model, start_step=start, step=stop, train_losses=train_losses, val=val, final=final,
+                       interrupted=interrupted)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -473,9 +490,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> TrainResult:
-    """Command-line entry point."""
+    """Command-line entry point.
+
+    SIGTERM (what schedulers and preemption send before killing a job) makes the run
+    finish its step, save a checkpoint and exit with status 143; the same command
+    then resumes there.
+    """
     args = vars(_parser().parse_args(argv))
-    return train(TrainOptions(**args))
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        result = train(TrainOptions(**args), should_stop=stop.is_set)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.interrupted:
+        raise SystemExit(128 + signal.SIGTERM)
+    return result
 
 
 if __name__ == "__main__":
