@@ -15,26 +15,42 @@ Two drivers run a whole stream under one ``lax.scan``:
 
 Payloads encode their item's position and head, so a slot whose payload, position and
 birth did not move together shows up.
+
+Write masks are dense, random per step, or ragged sequence lengths: each batch row has
+its own length and the rest of the stream is padding, at the end or at the start.
+
+The examples are derandomized (the same ones in every run, so CI is deterministic and
+a failure reproduces) and number a few thousand per run; each one costs well under a
+millisecond once its setup is compiled. ``FLSMEM_PROPERTY_SCALE=10`` draws ten times as
+many, for a deeper search by hand.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import flsmem
-from flsmem import policies, testing
+from flsmem import estimator, policies, testing
 
 STEPS = 24  # items (and queries) per stream; every chunk size below divides it
 D = 4  # payload width
+SCALE = float(os.environ.get("FLSMEM_PROPERTY_SCALE", "1"))
+
+
+def examples(n: int) -> settings:
+    """Settings of a property test drawing ``n`` (times SCALE) fixed examples."""
+    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +97,8 @@ SETUPS = [
     Setup(policies.oracle(), 3, 1, 2, 2, 2, 1),
     Setup(policies.lag_window(3, gamma=0.8, decay_after=0.95), 5, 3, 3, 2, 1, 3),
     Setup(policies.use_recency(2), 4, 1, 2, 2, 2, 2),
+    # Learns online: one optax step per 3 queries, pooled over the rows.
+    Setup(estimator.learned(horizon=3, hidden=4, learning_rate=1e-2, recent=1), 4, 2, 3, 2, 2, 2),
 ]
 EVICTING = SETUPS
 # The full cache never evicts: its budget must hold the whole stream.
@@ -88,10 +106,12 @@ FULL = Setup(policies.full(), STEPS, 1, 3, 2, 1, STEPS)
 ALL = SETUPS + [FULL]
 # Chunked == per-step holds for every policy, exact ties of scores included (evict
 # breaks them by birth, which does not depend on the slot layout), except adaptive
-# kalman: its noise estimates are float sums over the slots, taken in slot order, so
-# their rounding depends on the layout.
-LAYOUT_FREE = [s for s in ALL if s.policy.name != "kalman"]
-PERMUTABLE = [s for s in ALL if s.batch >= 2 and s.policy.name != "random"]
+# kalman and learned: their noise estimates and training loss are float sums over the
+# slots, taken in slot order, so their rounding depends on the layout.
+LAYOUT_FREE = [s for s in ALL if s.policy.name not in ("kalman", "learned")]
+# Rows never interact, except in learned (one network trained on every row, its sums
+# rounded in row order); random hashes the row index.
+PERMUTABLE = [s for s in ALL if s.batch >= 2 and s.policy.name not in ("random", "learned")]
 
 
 @dataclasses.dataclass
@@ -140,9 +160,14 @@ def make_stream(setup: Setup, seed: int, mask: np.ndarray, compress: np.ndarray,
 def streams(draw, setups):
     setup = draw(st.sampled_from(setups))
     shape = (STEPS, setup.batch)
-    # Ragged padding: per-row masks of the real items, often dense.
-    dense = draw(st.booleans())
-    mask = draw(hnp.arrays(np.bool_, shape, elements=st.booleans() if not dense else st.just(True)))
+    kind = draw(st.sampled_from(["dense", "random", "lengths", "left-padded"]))
+    if kind in ("lengths", "left-padded"):
+        # Ragged batch: row b holds a sequence of its own length, padded to STEPS.
+        lengths = np.array(draw(st.lists(st.integers(0, STEPS), min_size=setup.batch, max_size=setup.batch)))
+        t = np.arange(STEPS)[:, None]
+        mask = t < lengths[None, :] if kind == "lengths" else t >= STEPS - lengths[None, :]
+    else:
+        mask = draw(hnp.arrays(np.bool_, shape, elements=st.booleans() if kind == "random" else st.just(True)))
     compress = draw(hnp.arrays(np.bool_, shape))
     seed = draw(st.integers(0, 2**32 - 1))
     scale = draw(st.sampled_from([1.0, 1e-3, 1e3]))
@@ -164,8 +189,12 @@ def _chunked(x, q):
 
 
 def _select(flag, a, b):
-    """Per batch row: ``a`` where ``flag [B]``, else ``b``, for every state leaf."""
-    return jax.tree.map(lambda x, y: jnp.where(jnp.reshape(flag, flag.shape + (1,) * (x.ndim - 1)), x, y), a, b)
+    """Per batch row: ``a`` where ``flag [B]``, else ``b``, for states that differ by an
+    ``evict`` (which never touches ``aux``: the learned policy's network is shared by
+    the rows and has no batch axis)."""
+    pick = jax.tree.map(lambda x, y: jnp.where(jnp.reshape(flag, flag.shape + (1,) * (x.ndim - 1)), x, y),
+                        a.replace(aux=None), b.replace(aux=None))
+    return pick.replace(aux=b.aux)
 
 
 def _attention(state, table, future, queries):
@@ -295,7 +324,7 @@ def _at(tree, i):
 # ----------------------------------------------------------------------- budget
 
 
-@settings(max_examples=250, deadline=None)
+@examples(800)
 @given(streams(EVICTING))
 def test_update_never_reaches_high_water_mark(drawn):
     """After every ``update`` a row holds fewer present items than its high-water mark
@@ -312,7 +341,7 @@ def test_update_never_reaches_high_water_mark(drawn):
         assert np.all(state.stats.forced_writes == 0)
 
 
-@settings(max_examples=250, deadline=None)
+@examples(400)
 @given(streams(EVICTING))
 def test_evict_keeps_budget_and_protected_items(drawn):
     """Per query: scheduled ``evict`` fires exactly at the high-water mark and leaves
@@ -344,7 +373,7 @@ def test_evict_keeps_budget_and_protected_items(drawn):
 # -------------------------------------------------------------------- payload
 
 
-@settings(max_examples=200, deadline=None)
+@examples(300)
 @given(streams(ALL))
 def test_payload_position_and_birth_move_together_under_update(drawn):
     """After every chunk of ``write`` + ``update``, each valid slot's payload encodes its
@@ -356,7 +385,7 @@ def test_payload_position_and_birth_move_together_under_update(drawn):
         check_payload(setup, s, _at(states, c), (c + 1) * q)
 
 
-@settings(max_examples=150, deadline=None)
+@examples(250)
 @given(streams(EVICTING))
 def test_payload_position_and_birth_move_together_under_explicit_evict(drawn):
     """The same with explicit ``observe``/``smooth``/``evict`` and drawn
@@ -373,7 +402,7 @@ def test_payload_position_and_birth_move_together_under_explicit_evict(drawn):
 # -------------------------------------------------------------- chunk vs step
 
 
-@settings(max_examples=200, deadline=None)
+@examples(500)
 @given(streams(LAYOUT_FREE))
 def test_chunked_update_equals_single_steps(drawn):
     """Writing a chunk of Q items and updating with its Q queries keeps exactly the
@@ -400,7 +429,7 @@ def scores_by_position(state):
 # --------------------------------------------------------------- finiteness
 
 
-@settings(max_examples=250, deadline=None)
+@examples(800)
 @given(streams(ALL))
 def test_no_nan_and_stats_account_for_every_item(drawn):
     """With finite inputs (exact zeros and large or tiny scales included) no valid slot
@@ -421,7 +450,7 @@ def test_no_nan_and_stats_account_for_every_item(drawn):
 # -------------------------------------------------------------- batch order
 
 
-@settings(max_examples=200, deadline=None)
+@examples(400)
 @given(streams(PERMUTABLE), st.randoms(use_true_random=False))
 def test_batch_row_order_does_not_matter(drawn, rnd):
     """Permuting the batch rows of every input permutes the resulting memory: rows
@@ -443,7 +472,7 @@ RMM_H2O = (Setup(policies.rmm(lag=3, recent=1), 5, 2, 3, 2, 2, 3),
            Setup(policies.h2o(recent=3), 5, 2, 3, 2, 2, 3))
 
 
-@settings(max_examples=100, deadline=None)
+@examples(300)
 @given(streams(RMM_H2O[:1]))
 def test_rmm_with_unit_weights_keeps_what_h2o_keeps(drawn):
     """The rmm docstring's claim: with every correctness weight 1 and the same
