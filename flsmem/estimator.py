@@ -58,6 +58,7 @@ from flsmem.typing import Array, Float, PyTree
 __all__ = [
     "FEATURES",
     "ImportanceNet",
+    "PRIORS",
     "Weights",
     "carry_over",
     "features",
@@ -96,9 +97,13 @@ FEATURES = (
 
 
 class ImportanceNet(nnx.Module):
-    """Two hidden layers: features ``[..., F]`` to the predicted label ``[...]``."""
+    """Features ``[..., F]`` to the predicted label ``[...]``: a linear part over the
+    features plus two hidden layers ("wide and deep"). The linear part can rank exactly
+    as one feature does, so a network can start as a heuristic (see ``prior`` in
+    :func:`init_params`) and learn corrections to it."""
 
     def __init__(self, hidden: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(len(FEATURES), 1, rngs=rngs)
         self.inner = nnx.Linear(len(FEATURES), hidden, rngs=rngs)
         self.middle = nnx.Linear(hidden, hidden, rngs=rngs)
         self.outer = nnx.Linear(hidden, 1, rngs=rngs)
@@ -106,7 +111,7 @@ class ImportanceNet(nnx.Module):
     def __call__(self, x: Float[Array, "*N F"]) -> Float[Array, "*N"]:
         h = nnx.gelu(self.inner(x))
         h = nnx.gelu(self.middle(h))
-        return self.outer(h)[..., 0]
+        return (self.linear(x) + self.outer(h))[..., 0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,11 +119,26 @@ def _graphdef(hidden: int):
     return nnx.split(nnx.eval_shape(lambda: ImportanceNet(hidden, rngs=nnx.Rngs(0))))[0]
 
 
-def init_params(hidden: int = 32, seed: int = 0) -> PyTree:
-    """Fresh parameters of an :class:`ImportanceNet`, as a plain dict of arrays."""
+PRIORS = {"h2o": FEATURES.index("log_h2o_score"), "rmm": FEATURES.index("log_rmm_score")}
+
+
+def init_params(hidden: int = 32, seed: int = 0, prior: str | None = None) -> PyTree:
+    """Fresh parameters of an :class:`ImportanceNet`, as a plain dict of arrays.
+
+    With ``prior`` ("h2o" or "rmm") the network starts as that heuristic: its output is
+    the log of the heuristic's score (the linear part picks that feature, every other
+    output weight is 0), so it ranks as the heuristic until it learns otherwise.
+    """
     _require(isinstance(hidden, int) and hidden >= 1, f"hidden must be an int >= 1, got {hidden!r}")
     _check_nonneg_int("seed", seed)
-    return nnx.to_pure_dict(nnx.split(ImportanceNet(hidden, rngs=nnx.Rngs(seed)))[1])
+    _require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
+    params = nnx.to_pure_dict(nnx.split(ImportanceNet(hidden, rngs=nnx.Rngs(seed)))[1])
+    if prior is None:
+        params["linear"]["kernel"] = jnp.zeros_like(params["linear"]["kernel"])
+    else:
+        params["linear"]["kernel"] = jnp.zeros_like(params["linear"]["kernel"]).at[PRIORS[prior], 0].set(1.0)
+        params["outer"]["kernel"] = jnp.zeros_like(params["outer"]["kernel"])
+    return params
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,7 +308,7 @@ def _init_evidence(policy, payload, position, birth):
 def _init_aux(policy, batch, kv_heads, slots):
     weights = policy.p["weights"]
     params = (
-        init_params(policy.p["hidden"], policy.p["seed"]) if weights is None
+        init_params(policy.p["hidden"], policy.p["seed"], policy.p["prior"]) if weights is None
         else jax.tree.map(jnp.asarray, weights.params)
     )
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
@@ -431,7 +451,7 @@ def _monitor(policy, aux):
 
 def learned(
     weights: Weights | None = None, *, online: bool = True, learning_rate: float = 1e-3,
-    horizon: int = 32, label: str = "peak", loss: str = "squared", hidden: int = 32, seed: int = 0, sinks: int = 0, recent: int = 0,
+    horizon: int = 32, label: str = "peak", loss: str = "squared", prior: str | None = None, hidden: int = 32, seed: int = 0, sinks: int = 0, recent: int = 0,
     lag: int = 0,
 ) -> Policy:
     """The learned importance estimator as a policy.
@@ -453,6 +473,8 @@ def learned(
         total (how much was it used?).
       loss: "squared" error of the predicted label, or "ranking", a pairwise logistic
         loss on the order of each row's labels.
+      prior: a fresh network starts ranking as this heuristic ("h2o" or "rmm") and
+        learns corrections (see :func:`init_params`); None starts from random.
       hidden: width of the network (ignored when ``weights`` are given).
       sinks, recent, lag: protection, as for every policy (0 decides at H = 0).
     """
@@ -467,6 +489,7 @@ def learned(
     _require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
              f"hidden must be an int >= 1, got {hidden!r}")
     _check_nonneg_int("seed", seed)
+    _require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
     if weights is not None:
         hidden = _hidden_of(weights.params)
         shapes = jax.tree.map(np.shape, weights.params)
@@ -478,7 +501,7 @@ def learned(
         fallback_score=_score_rmm, monitor=_monitor, num_evidence=_NUM_EVIDENCE,
         sinks=sinks, recent=recent, lag=lag,
         params=(("weights", weights), ("online", online), ("learning_rate", float(learning_rate)),
-                ("horizon", horizon), ("label", label), ("loss", loss), ("hidden", hidden), ("seed", seed)),
+                ("horizon", horizon), ("label", label), ("loss", loss), ("prior", prior), ("hidden", hidden), ("seed", seed)),
     )
 
 
@@ -499,4 +522,5 @@ def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, f
     settings = load_settings(path)
     return learned(None if fresh else weights, online=online, learning_rate=learning_rate,
                    hidden=_hidden_of(weights.params), horizon=settings.get("horizon", 32),
-                   label=settings.get("label", "peak"), loss=settings.get("loss", "squared"), **protection)
+                   label=settings.get("label", "peak"), loss=settings.get("loss", "squared"),
+                   prior=settings.get("prior"), **protection)

@@ -115,7 +115,7 @@ def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
 
 
 # Serving updates move the pretrained estimator more gently than pretraining did.
-ONLINE_LEARNING_RATE = 1e-3
+ONLINE_LEARNING_RATE = 1e-4
 
 
 def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
@@ -123,7 +123,8 @@ def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
 
     Accumulating policies keep a recent window of half the budget, as H2O's paper does;
     ``rmm`` gets the same window so that its only difference from ``h2o`` is the
-    correctness weighting, and so does the oracle; lags are capped at half the budget.
+    correctness weighting, and so do the oracle and the learned estimator (which has no
+    commit lag); lags are capped at half the budget.
     """
     half = budget // 2
     lag = min(lag, half)
@@ -145,7 +146,8 @@ def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
         "use_recency": lambda: P.use_recency(lag=lag),
     }
     if name in LEARNED_NAMES:
-        return learned_policy(name)
+        # Decides at H = 0 (no commit lag) behind the same recent window as h2o and rmm.
+        return learned_policy(name).replace(recent=half)
     if name not in table:
         raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES}, got {name!r}")
     return table[name]()

@@ -152,3 +152,24 @@ def test_weights_of_the_wrong_shape():
     params["middle"]["kernel"] = np.zeros((8, 9), np.float32)
     with pytest.raises(ValueError, match="must fit"):
         E.learned(E.Weights(params))
+
+
+@pytest.mark.parametrize("prior, heuristic", [("h2o", P.h2o()), ("rmm", P.rmm(lag=0))])
+def test_a_fresh_network_with_a_prior_ranks_as_the_heuristic(prior, heuristic):
+    learned, _, _ = _stream(E.learned(prior=prior, online=False), budget=12)
+    reference, _, _ = _stream(heuristic, budget=12)
+    assert testing.kept_positions(learned) == testing.kept_positions(reference)
+
+
+def test_the_harness_variants_share_the_shipped_settings():
+    from harness.evaluate import ESTIMATOR_DIR, make_policy
+
+    shipped = E.load(ESTIMATOR_DIR)
+    settings = E.load_settings(ESTIMATOR_DIR)
+    variants = {name: make_policy(name, 64) for name in ("learned", "learned_offline", "learned_scratch")}
+    for policy in variants.values():
+        assert policy.recent == 32 and policy.lag == 0  # h2o's window, no commit lag
+        assert policy.p["horizon"] == settings["horizon"] and policy.p["prior"] == settings["prior"]
+    assert variants["learned"].p["weights"] == shipped and variants["learned"].p["online"]
+    assert variants["learned_offline"].p["weights"] == shipped and not variants["learned_offline"].p["online"]
+    assert variants["learned_scratch"].p["weights"] is None and variants["learned_scratch"].p["online"]

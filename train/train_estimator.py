@@ -52,7 +52,7 @@ class EstimatorOptions:
       batches: window batches streamed in the whole run.
       sources: the sources that take turns (see :data:`SOURCES`).
       fractions: budgets as fractions of the window, taking turns per round of sources.
-      horizon, label, loss, learning_rate, hidden: the estimator's (see
+      horizon, label, loss, prior, learning_rate, hidden: the estimator's (see
         :func:`flsmem.estimator.learned`).
       recent: the recent window, as a fraction of the budget (the harness gives the
         learned policy half the budget, as it gives h2o and rmm).
@@ -70,6 +70,7 @@ class EstimatorOptions:
     horizon: int = 32
     label: str = "peak"
     loss: str = "squared"
+    prior: str | None = None
     learning_rate: float = 3e-3
     hidden: int = 32
     recent: float = 0.5
@@ -101,8 +102,8 @@ class EstimatorOptions:
                 raise ValueError(f"{name} must be a positive multiple of {CHUNK}, got {getattr(self, name)}")
         if self.out is not None and Path(self.out).exists():
             raise ValueError(f"out {self.out!r} exists; choose a new directory")
-        E.learned(horizon=self.horizon, label=self.label, loss=self.loss, learning_rate=self.learning_rate,
-                  hidden=self.hidden)
+        E.learned(horizon=self.horizon, label=self.label, loss=self.loss, prior=self.prior,
+                  learning_rate=self.learning_rate, hidden=self.hidden)
 
     def run_settings(self) -> dict:
         """The options that decide the trajectory: a resumed run must share them."""
@@ -156,7 +157,7 @@ def train(options: EstimatorOptions) -> dict:
     (:func:`flsmem.estimator.carry_over` form)."""
     from harness.evaluate import evaluate_windows
 
-    policy = E.learned(horizon=options.horizon, label=options.label, loss=options.loss,
+    policy = E.learned(horizon=options.horizon, label=options.label, loss=options.loss, prior=options.prior,
                        learning_rate=options.learning_rate, hidden=options.hidden, seed=options.seed)
     fresh = policy.init_aux(policy, 1, 1, 1)
     learned = E.carry_over(fresh, layers_axis=False)
@@ -231,6 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--horizon", type=int, default=d.horizon, help="queries per label and update")
     p.add_argument("--label", default=d.label, choices=("peak", "sum"), help="label kind")
     p.add_argument("--loss", default=d.loss, choices=("squared", "ranking"), help="loss of the online step")
+    p.add_argument("--prior", default=None, choices=("h2o", "rmm"), help="start ranking as this heuristic")
     p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="Adam step size")
     p.add_argument("--hidden", type=int, default=d.hidden, help="network width")
     p.add_argument("--recent", type=float, default=d.recent, help="recent window, as a fraction of the budget")
