@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import numpy as np
 
-__all__ = ["add_arguments", "run", "load_model", "parse_budgets"]
+__all__ = ["add_arguments", "run", "load_model", "parse_budgets", "summarise_stats", "format_stats"]
 
 MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
 
@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-fraction", type=float, default=0.75)
     parser.add_argument("--plot", default="flsmem-eval.png", help="PNG path ('' for none)")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--stats", action="store_true",
+                        help="also print each policy's memory statistics (flsmem.summary: evictions, mean age and "
+                             "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
 
 
 def run(args: argparse.Namespace) -> list:
@@ -101,6 +104,12 @@ def run(args: argparse.Namespace) -> list:
     title = (f"{args.model} on {args.text}: {args.windows} windows x {args.context} tokens, protocol "
              f"{args.protocol}, evict_every {args.evict_every}, correctness {args.correctness} ({elapsed:.0f} s)")
     print(format_table(rows, budgets, title))
+    stats = {}
+    if args.stats:
+        stats = collect_stats(model, windows, budgets, policies, chunk=args.evict_every,
+                              correctness=args.correctness, prefill=prefill if args.protocol == "prefill" else 0)
+        print()
+        print(format_stats(stats))
     if args.plot:
         plot(rows, budgets, args.plot, title)
         print(f"plot written to {args.plot}")
@@ -110,6 +119,8 @@ def run(args: argparse.Namespace) -> list:
                 "model": args.model, "text": args.text, "context": args.context, "protocol": args.protocol,
                 "evict_every": args.evict_every, "windows": args.windows, "correctness": args.correctness,
                 "rows": [vars(r) for r in rows],
+                **({"stats": {f"{name}@{budget}": figures for (name, budget), figures in stats.items()}}
+                   if stats else {}),
             }, f, indent=1)
     return rows
 
@@ -155,3 +166,59 @@ def plot(rows, budgets, path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# Counters are summed over layers and windows; the means of evicted items are weighted
+# by how many each memory evicted; figures of the policy's own state (the learned
+# estimator's loss and counters, one per layer) are averaged (floats) or summed (counts)
+# over layers.
+_COUNTERS = ("evictions", "fallbacks", "forced_writes", "nonfinite_inputs")
+_WEIGHTED = ("mean_evicted_age", "mean_evicted_score")
+_SKIP = ("step", "occupancy", "held", "aux")
+
+
+def summarise_stats(stats: dict) -> dict[str, float]:
+    """One figure per name from :func:`harness.evaluate.evaluate_windows`' summary
+    (``[L, W]`` arrays: layers by windows)."""
+    out: dict[str, float] = {}
+    evictions = np.asarray(stats["evictions"], np.float64)
+    for name in _COUNTERS:
+        out[name] = float(np.sum(stats[name]))
+    for name in _WEIGHTED:
+        values = np.asarray(stats[name], np.float64)
+        total = evictions.sum()
+        out[name] = float(np.sum(np.where(evictions > 0, values * evictions, 0.0)) / total) if total else float("nan")
+    out["occupancy"] = float(np.mean(stats["occupancy"]))
+    for name, value in stats.items():
+        if name in out or name in _SKIP or name in _WEIGHTED:
+            continue
+        per_layer = np.asarray(value)[:, 0]  # the policy's figures are the same for every window
+        out[name] = float(np.nanmean(per_layer)) if np.issubdtype(per_layer.dtype, np.floating) else float(per_layer.sum())
+    return out
+
+
+def collect_stats(model, windows, budgets, policy_names, *, chunk, correctness, prefill) -> dict:
+    """``{(policy, budget): summarise_stats(...)}`` from one more run of each policy."""
+    from harness.evaluate import evaluate_windows, future_attention, make_policy
+
+    steps = windows.shape[1] - 1
+    futures = future_attention(model, windows, chunk) if "oracle" in policy_names else None
+    out = {}
+    for name in ["full"] + [n for n in policy_names if n != "full"]:
+        for budget in ([steps] if name == "full" else budgets):
+            _, _, stats = evaluate_windows(model, windows, make_policy(name, budget), budget, chunk=chunk,
+                                           correctness=correctness, prefill=prefill, futures=futures)
+            out[(name, budget)] = summarise_stats(stats)
+    return out
+
+
+def format_stats(stats: dict) -> str:
+    """The figures of :func:`collect_stats` as a table, one line per policy and budget."""
+    names = list(dict.fromkeys(k for figures in stats.values() for k in figures))
+    header = f"{'policy':<16}{'budget':>7}" + "".join(f" {n:>{max(10, len(n))}}" for n in names)
+    lines = ["memory statistics (flsmem.summary): counters summed over layers and windows, "
+             "means of evicted items weighted by evictions", header, "-" * len(header)]
+    for (policy, budget), figures in stats.items():
+        cells = "".join(f" {figures.get(n, float('nan')):>{max(10, len(n))}.4g}" for n in names)
+        lines.append(f"{policy:<16}{budget:>7}{cells}")
+    return "\n".join(lines)

@@ -1,6 +1,7 @@
-"""Faults: the training scripts, killed for real in a child process, resume from their
-last checkpoint and lose at most one checkpoint interval (nothing on SIGTERM, which
-train_decoder takes as "save and stop")."""
+"""Faults and long runs: the training scripts, killed for real in a child process,
+resume from their last checkpoint and lose at most one checkpoint interval (nothing on
+SIGTERM, which train_decoder takes as "save and stop"); the soak's invariant checks
+and the monitoring figures of ``flsmem eval --stats``."""
 
 import os
 import signal
@@ -13,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+
+import flsmem
 
 ROOT = Path(__file__).resolve().parent.parent
 SAVE_EVERY = 5
@@ -104,3 +107,59 @@ def test_train_estimator_resumes_after_sigkill(tmp_path):
     assert f"streamed batches {last}..{batches}" in output, output
     weights = E.load(out)  # complete and finite, or load raises
     assert weights.params["inner"]["kernel"].shape[0] == len(E.FEATURES)
+
+
+# ------------------------------------------------------------- long runs, monitoring
+
+
+def test_soak_holds_its_invariants_and_catches_broken_ones():
+    from bench import soak
+
+    steps, violations = soak.soak("rmm", steps=120, block=60, budget=16, evict_every=4, batch=2, kv_heads=1,
+                                  seed=0, out=open(os.devnull, "w"))
+    assert (steps, violations) == (120, 0)
+    # The same block length as above: the compiled block is reused.
+    config = flsmem.MemoryConfig(soak.POLICIES["rmm"](), budget=16, evict_every=4)
+    state = jax.jit(soak._block, static_argnames="length")(
+        flsmem.init(config, 2, 1, {"k": (soak.D,), "v": (soak.D,)}), jax.random.key(0), 0, length=60)
+    assert soak.check(state, 60) == []
+    newest = np.argmax(state.position[0, 0])
+    broken = {
+        "clock drifted": (state, 61),
+        "payload moved apart": (state.replace(payload={**state.payload, "v": state.payload["v"] + 1.0}), 60),
+        "protected window": (state.replace(valid=state.valid.at[0, 0, newest].set(False)), 60),
+        "score is NaN": (state.replace(score=state.score.at[1, 0, np.argmax(state.valid[1, 0])].set(np.nan)), 60),
+        "eviction counter drifted": (state.replace(stats=state.stats.replace(evictions=state.stats.evictions + 1)), 60),
+    }
+    for match, (bad, steps_run) in broken.items():
+        assert any(match in problem for problem in soak.check(bad, steps_run)), match
+
+
+def test_eval_stats_sums_counters_and_weights_means_by_evictions():
+    from harness import report
+
+    # Two layers by two windows; the learned policy's loss is one figure per layer.
+    stats = {
+        "step": np.full((2, 2), 64), "occupancy": np.full((2, 2), 32), "held": np.zeros((2, 2, 2, 4)), "aux": None,
+        "evictions": np.array([[10, 0], [30, 0]]), "fallbacks": np.array([[1, 0], [0, 2]]),
+        "forced_writes": np.zeros((2, 2), int), "nonfinite_inputs": np.zeros((2, 2), int),
+        "mean_evicted_age": np.array([[4.0, np.nan], [8.0, np.nan]]),
+        "mean_evicted_score": np.array([[1.0, np.nan], [0.0, np.nan]]),
+        "estimator_loss": np.array([[0.5, 0.5], [1.5, 1.5]], np.float32),
+        "estimator_updates": np.array([[3, 3], [4, 4]], np.int32),
+    }
+    figures = report.summarise_stats(stats)
+    assert figures["evictions"] == 40 and figures["fallbacks"] == 3
+    assert figures["mean_evicted_age"] == (10 * 4 + 30 * 8) / 40
+    assert figures["mean_evicted_score"] == 10 / 40
+    assert figures["estimator_loss"] == 1.0 and figures["estimator_updates"] == 7
+    table = report.format_stats({("learned", 16): figures, ("full", 64): report.summarise_stats(
+        {k: (np.zeros_like(v) if isinstance(v, np.ndarray) and k not in ("held",) else v) for k, v in stats.items()
+         if not k.startswith("estimator")})})
+    assert "estimator_loss" in table.splitlines()[1]
+    assert table.splitlines()[3].split()[:3] == ["learned", "16", "40"]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    report.add_arguments(parser)
+    assert parser.parse_args(["--stats"]).stats and not parser.parse_args([]).stats
