@@ -3,10 +3,12 @@
 A memory is an immutable pytree (:class:`MemoryState`) changed by pure functions:
 ``init``, ``write``, ``observe``, ``smooth``, ``evict`` (and ``update``, which runs the
 last three query by query). A :class:`MemoryConfig` holds the static settings, among
-them the :mod:`flsmem.policies` policy.
+them the :mod:`flsmem.policies` policy. :mod:`flsmem.checks` runs the same functions
+with runtime value checks (checkify); :mod:`flsmem.checkpoint` saves and restores a
+memory with orbax; :mod:`flsmem.sharding` places one on a device mesh.
 """
 
-from flsmem import kernels, policies, theory
+from flsmem import checkpoint, checks, kernels, policies, sharding, theory
 from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
 from flsmem.observe import observe, reduce_query_heads
@@ -22,6 +24,8 @@ __all__ = [
     "MemoryState",
     "MemoryStats",
     "age",
+    "checkpoint",
+    "checks",
     "evict",
     "init",
     "kernels",
@@ -32,6 +36,7 @@ __all__ = [
     "priority",
     "protected",
     "reduce_query_heads",
+    "sharding",
     "smooth",
     "summary",
     "theory",
