@@ -13,6 +13,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -132,11 +133,22 @@ def command() -> str:
     return " ".join([head] + sys.argv[1:])
 
 
+def commit() -> str:
+    """The git commit the code ran at, with "+changes" if the working tree differed."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "bench", "flsmem", "models"],
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def save(name: str, payload: dict) -> pathlib.Path:
     """Write ``results/bench/<name>.json`` with the command and the machine added."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    record = {"command": command(), "machine": machine(), "clock": _clock, **payload}
+    record = {"command": command(), "commit": commit(), "machine": machine(), "clock": _clock, **payload}
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 

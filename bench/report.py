@@ -42,7 +42,8 @@ def machine_line(record: dict) -> str:
 
 def command_block(record: dict) -> list[str]:
     clock = record.get("clock", "wall")
-    return ["", f"Command (clock: {clock}):", "", "```", record["command"], "```", ""]
+    return ["", f"Command (clock: {clock}; code at commit {record.get('commit', 'not recorded')}):", "",
+            "```", record["command"], "```", ""]
 
 
 def overhead_section(record, quick) -> tuple[list[str], list[str]]:

@@ -114,9 +114,12 @@ class Attention(nnx.Module):
         self.v = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
         self.o = linear(cfg.q_heads * cfg.head_dim, cfg.width)
 
-    def __call__(self, x, positions, memories: flsmem.MemoryState | None, window: int | None = None, layer=None):
+    def __call__(self, x, positions, memories: flsmem.MemoryState | None, window: int | None = None,
+                 layer=None, placed=None):
         """Attention of ``x``; with ``memories`` (all layers', stacked) the new keys and
-        values go into layer ``layer``'s memory and the queries attend over it."""
+        values go into layer ``layer``'s memory and the queries attend over it.
+        ``placed``: this layer's ``(target slots, visible mask)`` when the memory's
+        bookkeeping was done for all layers at once (:func:`_place`), else None."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
@@ -131,12 +134,22 @@ class Attention(nnx.Module):
             out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
             return self.o(out.reshape(b, t, -1)), None, None
         kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
+        if placed is None:
+            # This layer's bookkeeping here, since the policy's new evidence reads the
+            # payload. The payload in `memory` is only read for its shapes, so its slice
+            # is never made.
+            memory = jax.tree.map(lambda a: a[layer], memories)
+            memory, target = write_slots(memory, kv, positions)
+            visible = flsmem.visible(memory, t)
+            memories = jax.tree.map(
+                lambda stacked, one: stacked.at[layer].set(one),
+                memories.replace(payload=None), memory.replace(payload=None),
+            ).replace(payload=memories.payload)
+        else:
+            target, visible = placed
         # The caches of all layers stay in one stacked array, carried through the layer
-        # loop: the new items are written there in place. (Taking this layer's memory
-        # out and putting it back would copy its whole cache twice per step.) The
-        # payload in `memory` is only read for its shapes, so its slice is never made.
-        memory = jax.tree.map(lambda a: a[layer], memories)
-        memory, target = write_slots(memory, kv, positions)
+        # loop: the new items are written there in place. (Taking this layer's cache out
+        # and putting it back would copy it twice per step.)
         bi = jnp.arange(b)[:, None, None]
         ki = jnp.arange(cfg.kv_heads)[None, :, None]
         payload = jax.tree.map(
@@ -144,15 +157,35 @@ class Attention(nnx.Module):
             memories.payload, kv,
         )
         logits = jnp.einsum("BTKGD,BKSD->BKGTS", q, payload["k"][layer]) * scale
-        visible = flsmem.visible(memory, t)[:, :, None]  # [B, K, 1, T, S]
-        probs = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+        probs = jax.nn.softmax(jnp.where(visible[:, :, None], logits, -jnp.inf), axis=-1)  # visible [B, K, 1, T, S]
         out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, payload["v"][layer])
-        attention = flsmem.reduce_query_heads(probs, memory.config.policy)  # [B, K, T, S]
-        memories = jax.tree.map(
-            lambda stacked, one: stacked.at[layer].set(one),
-            memories.replace(payload=None), memory.replace(payload=None),
-        ).replace(payload=payload)
-        return self.o(out.reshape(b, t, -1)), memories, attention
+        attention = flsmem.reduce_query_heads(probs, memories.config.policy)  # [B, K, T, S]
+        return self.o(out.reshape(b, t, -1)), memories.replace(payload=payload), attention
+
+
+def _place(memories: flsmem.MemoryState, positions):
+    """The memory bookkeeping of a write in every layer at once, before the layer loop.
+
+    Where the new items go, and what each query may see, depend on the memories only,
+    not on the keys and values the layers are about to compute (for policies whose new
+    evidence does not read them), so the L layers of B sequences are written as one
+    memory of L * B sequences: a few operations instead of a few per layer.
+
+    Returns:
+      ``(memories, (target [L, B, K, T], visible [L, B, K, T, S]))``; the payload is
+      left for each layer to write at ``target``.
+    """
+    depth, batch = memories.step.shape
+    t = positions.shape[1]
+    fold = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
+    unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731
+    flat = jax.tree.map(fold, memories)
+    # Read for their shapes only: nothing computed from them is kept.
+    items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
+    flat, target = write_slots(flat, items, jnp.tile(positions, (depth, 1)))  # row l * B + b is sequence b
+    visible = flsmem.visible(flat, t)
+    memories = jax.tree.map(unfold, flat.replace(payload=None)).replace(payload=memories.payload)
+    return memories, (unfold(target), unfold(visible))
 
 
 class MLP(nnx.Module):
@@ -172,8 +205,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.width, cfg.norm_eps)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, memories, window=None, layer=None):
-        h, memories, attention = self.attn(self.attn_norm(x), positions, memories, window, layer)
+    def __call__(self, x, positions, memories, window=None, layer=None, placed=None):
+        h, memories, attention = self.attn(self.attn_norm(x), positions, memories, window, layer, placed)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), memories, attention
 
@@ -241,16 +274,20 @@ class Decoder(nnx.Module):
                 raise ValueError("window applies to the plain path; with memories, use the window policy")
         graphdef, stacked = nnx.split(self.blocks)
 
+        placed = None
+        if memories is not None and memories.config.policy.init_evidence is None:
+            memories, placed = _place(memories, positions)
+
         # The memories ride in the carry (updated in place at each layer's index), not
         # in the scanned inputs and outputs, which would copy every cache per step.
         def layer(carry, per_layer):
             x, memories = carry
-            params, index = per_layer
-            x, memories, attention = nnx.merge(graphdef, params)(x, positions, memories, window, index)
+            params, index, placed = per_layer
+            x, memories, attention = nnx.merge(graphdef, params)(x, positions, memories, window, index, placed)
             return (x, memories), attention
 
         (x, memories), attention = jax.lax.scan(
-            layer, (self.embed(tokens), memories), (stacked, jnp.arange(self.cfg.depth))
+            layer, (self.embed(tokens), memories), (stacked, jnp.arange(self.cfg.depth), placed)
         )
         x = self.norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
