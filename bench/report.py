@@ -22,6 +22,8 @@ OVERHEAD_GOAL = 0.03
 SPEEDUP_GOAL = {1: 1.4, 8: 4.5}
 PYTHON_GOAL = 1000.0
 FLAT_TOLERANCE = 0.10
+# Rounds of an overhead ratio that spread wider than this cannot decide a 3% goal.
+NOISE_SPAN = 0.10
 
 
 def load(name: str) -> dict | None:
@@ -46,6 +48,14 @@ def command_block(record: dict) -> list[str]:
             "```", record["command"], "```", ""]
 
 
+def overhead_verdict(row) -> str:
+    """A 3% goal is only decided when the rounds agree to within NOISE_SPAN."""
+    if row["overhead_high"] - row["overhead_low"] > NOISE_SPAN:
+        return (f"not resolved: the rounds span {100 * (row['overhead_high'] - row['overhead_low']):.0f} points, "
+                f"wider than {100 * NOISE_SPAN:.0f}")
+    return "holds" if row["overhead"] <= OVERHEAD_GOAL else "does not hold"
+
+
 def overhead_section(record, quick) -> tuple[list[str], list[str]]:
     models = ", ".join(sorted({row["model"] for row in record["rows"]}))
     lines = [f"## Per-step overhead of flsmem in the decode loop ({models})", "",
@@ -64,10 +74,9 @@ def overhead_section(record, quick) -> tuple[list[str], list[str]]:
                      f"{pct(row['overhead'])} | {pct(row['overhead_low'])} .. {pct(row['overhead_high'])} | "
                      f"x{row['first_call_ratio']:.2f} |")
         if row["model"] == "smollm2" and row["evict_every"] == 8:
-            ok = row["overhead"] <= OVERHEAD_GOAL
             goals.append(f"- Overhead <= 3% at evict_every=8, SmolLM2, batch {row['batch']}, {row['policy']}: "
                          f"{pct(row['overhead'])} (rounds {pct(row['overhead_low'])} .. "
-                         f"{pct(row['overhead_high'])}): **{'holds' if ok else 'does not hold'}**.")
+                         f"{pct(row['overhead_high'])}): **{overhead_verdict(row)}**.")
     lines += command_block(record)
     if quick:
         row = quick["rows"][0]
