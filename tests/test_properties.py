@@ -447,6 +447,32 @@ def test_no_nan_and_stats_account_for_every_item(drawn):
         check_accounting(setup, s, state, (c + 1) * q)
 
 
+@examples(300)
+@given(streams(ALL), st.data())
+def test_nonfinite_inputs_are_exactly_no_evidence(drawn, data):
+    """NaN or Inf attention and correctness never reach a kept item: a stream with some
+    entries made NaN or Inf leaves the memory exactly as the same stream with those
+    entries 0 does, and only the ``nonfinite_inputs`` counter tells them apart."""
+    setup, s = drawn
+    seed = data.draw(st.integers(0, 2**32 - 1), label="nonfinite seed")
+    rng = np.random.default_rng(seed)
+    bad_table = rng.random(s.table.shape) < 0.05
+    bad_weight = rng.random(s.weight.shape) < 0.1
+    values = rng.choice(np.array([np.nan, np.inf, -np.inf], np.float32), size=s.table.shape)
+    weights = rng.choice(np.array([np.nan, np.inf], np.float32), size=s.weight.shape)
+    broken = dataclasses.replace(s, table=np.where(bad_table, values, s.table),
+                                 weight=np.where(bad_weight, weights, s.weight))
+    zeroed = dataclasses.replace(s, table=np.where(bad_table, 0.0, s.table).astype(np.float32),
+                                 weight=np.where(bad_weight, 0.0, s.weight).astype(np.float32))
+    got, want = update_snapshots(setup, broken), update_snapshots(setup, zeroed)
+    assert np.all(want.stats.nonfinite_inputs == 0)
+    if bad_weight.any():
+        assert np.any(got.stats.nonfinite_inputs > 0)
+    got = got.replace(stats=got.stats.replace(nonfinite_inputs=want.stats.nonfinite_inputs))
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
 # -------------------------------------------------------------- batch order
 
 
