@@ -127,7 +127,7 @@ def longctx_section(record) -> tuple[list[str], list[str]]:
                      f"x{flat:.2f} its step at {min(r['position'] for r in rows)} (full cache: "
                      f"x{last['cost_full'] / min(rows, key=lambda r: r['position'])['cost_full']:.2f}): "
                      f"**{'holds' if abs(flat - 1) <= FLAT_TOLERANCE else 'does not hold'}** "
-                     f"(within {100 * FLAT_TOLERANCE:.0f}%).")
+                     f"(criterion: within {100 * FLAT_TOLERANCE:.0f}%).")
     return lines + command_block(record), goals
 
 

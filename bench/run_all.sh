@@ -11,5 +11,5 @@ $python -m bench.overhead --quick
 $python -m bench.profile --batch 1,8
 $python -m bench.longctx --batch 1,8
 $python -m bench.pyref
-$python -m bench.kernel
+$python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3
 $python -m bench.report
