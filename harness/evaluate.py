@@ -118,8 +118,11 @@ def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
 ONLINE_LEARNING_RATE = 1e-4
 
 
-def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
+def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = None) -> P.Policy:
     """The policy ``name`` with protection scaled to the budget.
+
+    ``estimator`` is the checkpoint directory of the learned variants (default: the
+    shipped one, :data:`ESTIMATOR_DIR`).
 
     Accumulating policies keep a recent window of half the budget, as H2O's paper does;
     ``rmm`` gets the same window so that its only difference from ``h2o`` is the
@@ -147,7 +150,7 @@ def make_policy(name: str, budget: int, lag: int = 16) -> P.Policy:
     }
     if name in LEARNED_NAMES:
         # Decides at H = 0 (no commit lag) behind the same recent window as h2o and rmm.
-        return learned_policy(name).replace(recent=half)
+        return learned_policy(name, str(estimator or ESTIMATOR_DIR)).replace(recent=half)
     if name not in table:
         raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES}, got {name!r}")
     return table[name]()

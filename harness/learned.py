@@ -32,7 +32,9 @@ FULL = dataclasses.replace(
     regime.FULL, policies=POLICIES, lag_settings=_NONE, lag_fractions=_NONE, signal_settings=_NONE,
     signal_fractions=_NONE, retention_settings=_NONE, retention_fractions=_NONE,
 )
-QUICK = dataclasses.replace(regime.QUICK, policies=("learned", "rmm", "h2o"))
+# The endogenous task and tiny prose at every budget: the loop for trying an estimator.
+QUICK = dataclasses.replace(regime.QUICK, fractions=regime.FULL.fractions,
+                            policies=("learned", "learned_offline", "rmm", "h2o"))
 
 
 def _map(rows):
@@ -86,13 +88,16 @@ def format_report(rows: list[dict]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="one task, one budget, learned against rmm and h2o")
+    parser.add_argument("--quick", action="store_true",
+                        help="repeat (one seed) and tiny prose, every budget, learned against rmm and h2o")
+    parser.add_argument("--estimator", default=None, metavar="DIR",
+                        help="estimator checkpoint of the learned policies (default: checkpoints/estimator)")
     parser.add_argument("--out", default="results/learned", help="folder for learned.json, the tables and the plot")
     parser.add_argument("--render", action="store_true", help="measure nothing: rewrite from the JSON in --out")
 
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
-    plan = QUICK if args.quick else FULL
+    plan = dataclasses.replace(QUICK if args.quick else FULL, estimator=args.estimator)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "quick" if args.quick else "learned"

@@ -63,6 +63,7 @@ class Plan:
       retention_settings, retention_fractions: tasks and budgets at which to record
         which items the memories still hold when the last query comes.
       policies: the policies of the map (names for :func:`harness.evaluate.make_policy`).
+      estimator: checkpoint directory of the learned policies (None: the shipped one).
     """
 
     tasks: tuple[str, ...]
@@ -80,6 +81,7 @@ class Plan:
     retention_settings: tuple[str, ...] = ()
     retention_fractions: tuple[float, ...] = ()
     policies: tuple[str, ...] = MAP_POLICIES
+    estimator: str | None = None
 
     def __post_init__(self):
         from models.tasks import TASKS
@@ -215,7 +217,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
             budget = _budget(setting, fraction)
             for name in plan.policies:
                 progress(f"{setting.name}: {name} @ {budget}")
-                rows.append(_row("map", setting, name, fraction, setting.measure(make_policy(name, budget), budget)))
+                rows.append(_row("map", setting, name, fraction, setting.measure(make_policy(name, budget, estimator=plan.estimator), budget)))
         if setting.name in plan.lag_settings:
             for fraction in plan.lag_fractions:
                 budget = _budget(setting, fraction)
