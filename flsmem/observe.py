@@ -28,8 +28,9 @@ def reduce_query_heads(
       ``[B, K, S]`` or ``[B, K, Q, S]``.
     """
     rule = policy_or_rule.head_reduction if isinstance(policy_or_rule, Policy) else policy_or_rule
-    if jnp.ndim(attention) not in (4, 5):
-        raise ValueError(f"attention must be [B, K, G, S] or [B, K, G, Q, S], got shape {jnp.shape(attention)}")
+    if jnp.ndim(attention) not in (4, 5) or not jnp.issubdtype(jnp.result_type(attention), jnp.floating):
+        raise ValueError(f"attention must be a float array [B, K, G, S] or [B, K, G, Q, S], got "
+                         f"{jnp.result_type(attention)}{list(jnp.shape(attention))}")
     reducers = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max}
     if rule not in reducers:
         raise ValueError(f"head reduction rule must be one of {tuple(reducers)}, got {rule!r}")

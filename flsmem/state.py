@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from flsmem import validate
 from flsmem.config import MemoryConfig
 from flsmem.typing import Array, Bool, Float, Int, PyTree
 
@@ -152,6 +153,7 @@ def init(
 
 def present(state: MemoryState) -> Bool[Array, "B K S"]:
     """Occupied slots whose item has arrived (a chunk's items arrive one per query)."""
+    validate.check_state(state)
     return state.valid & (state.birth < state.step[:, None, None])
 
 
@@ -164,9 +166,10 @@ def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K 
     Returns:
       ``[B, K, S]`` for ``queries=None``, else ``[B, K, Q, S]``.
     """
+    validate.check_state(state)
     if queries is None:
         return state.valid & (state.birth <= state.step[:, None, None])
-    if not (isinstance(queries, int) and queries >= 1):
+    if not (isinstance(queries, int) and not isinstance(queries, bool) and queries >= 1):
         raise ValueError(f"queries must be an int >= 1 or None, got {queries!r}")
     t = state.step[:, None, None, None] + jnp.arange(queries, dtype=jnp.int32)[None, None, :, None]
     return state.valid[:, :, None, :] & (state.birth[:, :, None, :] <= t)
@@ -174,17 +177,20 @@ def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K 
 
 def age(state: MemoryState) -> Int[Array, "B K S"]:
     """Queries each slot has seen: 1 right after the query of its arrival step."""
+    validate.check_state(state)
     return state.step[:, None, None] - state.birth
 
 
 def occupancy(state: MemoryState) -> Int[Array, "B K"]:
     """Items held per row (including written items whose query is still to come)."""
+    validate.check_state(state)
     return jnp.sum(state.valid, axis=-1, dtype=jnp.int32)
 
 
 def summary(state: MemoryState) -> dict[str, Array]:
     """Monitoring figures per batch row: counters, mean age/score of evicted items and
     the policy's own figures (its ``monitor``, for example the estimator's loss)."""
+    validate.check_state(state)
     s = state.stats
     n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
     policy = state.config.policy

@@ -67,3 +67,16 @@ def test_targets_name_each_check():
     assert "rmm" in checks[0][0] and "h2o" in checks[1][0] and "text:tiny" in checks[2][0]
     rows[3]["value"] = 2.03
     assert [ok for _, ok in L.targets(rows)] == [True, False, False]
+
+
+def test_a_stop_request_saves_and_the_same_command_resumes(tmp_path):
+    asked = []
+
+    def stop_after_first():
+        asked.append(1)
+        return len(asked) >= 1
+
+    stopped = T.train(_options(tmp_path, save_every=5), should_stop=stop_after_first)
+    assert stopped["interrupted"] and int(stopped["updates"]) > 0
+    resumed = T.train(_options(tmp_path, save_every=5, batches=2))
+    assert "interrupted" not in resumed and int(resumed["updates"]) > int(stopped["updates"])

@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import tempfile
+import threading
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -152,9 +155,15 @@ def _plan(options: EstimatorOptions, batch: int) -> tuple[str, float]:
     return options.sources[batch % turn], options.fractions[(batch // turn) % len(options.fractions)]
 
 
-def train(options: EstimatorOptions) -> dict:
+def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None = None) -> dict:
     """Pretrain (or resume pretraining) the estimator; returns the learned state
-    (:func:`flsmem.estimator.carry_over` form)."""
+    (:func:`flsmem.estimator.carry_over` form, with ``"interrupted": True`` added when
+    ``should_stop`` ended it early).
+
+    ``should_stop`` is asked after every batch; when it returns True the run saves a
+    checkpoint there and returns early (without ``--out``), so a job told to stop
+    (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
+    last checkpoint, at most ``save_every`` batches back."""
     from harness.evaluate import evaluate_windows
 
     policy = E.learned(horizon=options.horizon, label=options.label, loss=options.loss, prior=options.prior,
@@ -187,6 +196,7 @@ def train(options: EstimatorOptions) -> dict:
     log = (workdir / "metrics.jsonl").open("a" if start else "w")
     bar = tqdm(total=options.batches, initial=start, disable=not options.progress, desc="estimator", unit="batch")
     started = time.perf_counter()
+    interrupted = False
     try:
         for batch in range(start, options.batches):
             name, fraction = _plan(options, batch)
@@ -205,8 +215,12 @@ def train(options: EstimatorOptions) -> dict:
             log.flush()
             bar.update(1)
             bar.set_postfix(source=name, budget=budget, loss=f"{loss:.3f}")
-            if (batch + 1) % options.save_every == 0 or batch + 1 == options.batches:
+            stopping = should_stop is not None and should_stop()
+            if (batch + 1) % options.save_every == 0 or batch + 1 == options.batches or stopping:
                 save(batch + 1)
+            if stopping and batch + 1 < options.batches:
+                interrupted = True
+                break
     finally:
         bar.close()
         log.close()
@@ -215,7 +229,10 @@ def train(options: EstimatorOptions) -> dict:
     if options.batches > start:
         print(f"streamed batches {start}..{options.batches} in {time.perf_counter() - started:.0f} s; "
               f"last loss {float(learned['loss']):.4f}")
-    if options.out is not None:
+    if interrupted:
+        print("stopped early; the same command resumes from the checkpoint just saved")
+        learned["interrupted"] = True
+    elif options.out is not None:
         E.save(options.out, learned["params"], options.run_settings())
         print(f"wrote the estimator to {options.out}")
     return learned
@@ -258,11 +275,24 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Command-line entry point."""
+    """Command-line entry point.
+
+    SIGTERM (what schedulers and preemption send before killing a job) makes the run
+    finish its batch, save a checkpoint and exit with status 143; the same command
+    then resumes there.
+    """
     args = vars(_parser().parse_args(argv))
     args["sources"] = tuple(s.strip() for s in args["sources"].split(","))
     args["fractions"] = _fractions(args["fractions"])
-    return train(EstimatorOptions(**args))
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    try:
+        learned = train(EstimatorOptions(**args), should_stop=stop.is_set)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if learned.get("interrupted"):
+        raise SystemExit(128 + signal.SIGTERM)
+    return learned
 
 
 if __name__ == "__main__":
