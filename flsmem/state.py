@@ -153,7 +153,6 @@ def init(
 
 def present(state: MemoryState) -> Bool[Array, "B K S"]:
     """Occupied slots whose item has arrived (a chunk's items arrive one per query)."""
-    validate.check_state(state)
     return state.valid & (state.birth < state.step[:, None, None])
 
 
@@ -177,13 +176,11 @@ def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K 
 
 def age(state: MemoryState) -> Int[Array, "B K S"]:
     """Queries each slot has seen: 1 right after the query of its arrival step."""
-    validate.check_state(state)
     return state.step[:, None, None] - state.birth
 
 
 def occupancy(state: MemoryState) -> Int[Array, "B K"]:
     """Items held per row (including written items whose query is still to come)."""
-    validate.check_state(state)
     return jnp.sum(state.valid, axis=-1, dtype=jnp.int32)
 
 

@@ -8,7 +8,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
-    """Drop jit caches after each test module: the suite compiles hundreds of programs
-    and one process holding them all runs the 2-core CI machine short of memory."""
+    """Drop jit caches after each test module, so the suite's one process does not hold
+    every program it compiled (a run on a loaded machine once crashed inside XLA's
+    compiler late in the suite)."""
     yield
     jax.clear_caches()
