@@ -69,7 +69,7 @@ def interleaved(fns: dict[str, object], rounds: int, *, warmup: int = 1) -> dict
     the variants interleaved.
 
     The order of the variants rotates from round to round so that none always runs
-    right after the same neighbour (caches, frequency, the other engineer's jobs).
+    right after the same neighbour (caches, frequency, other jobs on the machine).
     """
     names = list(fns)
     for name in names:
