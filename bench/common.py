@@ -16,7 +16,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,6 @@ import argparse
 import sys
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 import flsmem
