@@ -105,11 +105,11 @@ class Plan:
 
 
 FULL = Plan(
-    tasks=("passkey", "recall", "repeat"), seeds=(0, 1, 2), examples=32, task_context=256, text_context=512,
+    tasks=("passkey", "recall", "repeat", "chain"), seeds=(0, 1, 2), examples=32, task_context=256, text_context=512,
     fractions=(1 / 16, 1 / 8, 1 / 4, 1 / 2), text_windows=8, text_models=("tiny", "smollm2-135m"),
-    lag_settings=("recall", "repeat", "text:tiny"), lag_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
-    signal_settings=("recall", "repeat", "text:tiny"), signal_fractions=(1 / 8,),
-    retention_settings=("recall", "repeat"), retention_fractions=(1 / 8, 1 / 2),
+    lag_settings=("recall", "repeat", "chain", "text:tiny"), lag_fractions=(1 / 8, 1 / 4, 1 / 2, 3 / 4),
+    signal_settings=("recall", "repeat", "chain", "text:tiny"), signal_fractions=(1 / 8,),
+    retention_settings=("recall", "repeat", "chain"), retention_fractions=(1 / 8, 1 / 2),
 )
 QUICK = Plan(
     tasks=("repeat",), seeds=(3,), examples=48, task_context=256, text_context=512,
@@ -250,14 +250,15 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
 def _item_positions(tokens: np.ndarray, answer: np.ndarray) -> dict[str, list[int]]:
     """Positions, in one task example, of the digits of the early answers, of the pairs
     those answers used, and of the pairs no early query used."""
-    from models.tasks import EARLY, PAIRS, QUERY
+    from models.tasks import EARLY
 
-    eq = ord(QUERY)
-    # "=K7": the digit after every "=" followed by an uppercase key; the first PAIRS are pairs.
-    statements = [i + 2 for i in range(len(tokens) - 2)
-                  if tokens[i] == eq and 65 <= tokens[i + 1] <= 90 and 48 <= tokens[i + 2] <= 57]
-    pairs = {int(tokens[i - 1]): i for i in statements[:PAIRS]}
-    early = [int(t) + 1 for t in np.flatnonzero(answer == EARLY)]  # target t is token t + 1
+    digit = (tokens >= 48) & (tokens <= 57)
+    early = [int(t) + 1 for t in np.flatnonzero(answer == EARLY) if digit[t + 1]]  # target t is token t + 1
+    # "=K7" statements before the first early answer are the pairs (pointers "=KQ" are not
+    # items a digit answer reads); each binds the key before its digit.
+    eq = ord("=")
+    pairs = {int(tokens[i - 1]): i for i in range(2, min(early))
+             if digit[i] and tokens[i - 2] == eq and 65 <= tokens[i - 1] <= 90}
     used = [pairs[int(tokens[i - 1])] for i in early]
     return {"early answer": early, "pair used": used,
             "pair unused": [i for i in pairs.values() if i not in used]}

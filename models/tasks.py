@@ -16,7 +16,7 @@ from the books all share one learnt embedding) and a one-token answer. Longer ke
 multi-digit values, which need a match over several tokens, were still near chance
 after a thousand steps.
 
-Three tasks:
+Four tasks:
 
 * ``passkey``: one pair at a random depth of the window, queried at the end;
 * ``recall`` (multi-query associative recall): six pairs near the start, three of them
@@ -25,7 +25,14 @@ Three tasks:
 * ``repeat`` (endogenous reuse): six pairs near the start, one of them queried a third
   of the way in, and at the end a repeat query that asks for *that* answer again. What
   must survive the gap is decided by the model's earlier output: the answer it gave
-  (or the one pair it used), not the five pairs it never needed.
+  (or the one pair it used), not the five pairs it never needed;
+* ``chain`` (endogenous reuse through a lookup): three *pointers* ``=KQ`` (key ``K``
+  points to key ``Q``) and three pairs ``=Q7``. A third of the way in, a pointer is
+  queried; the model answers the key it points to and then looks that key up itself
+  (``=KQ =Q7``: the ``Q`` and the ``7`` are its answers). At the end the same chain is
+  followed again and the digit is scored. Which digit pair must survive is decided by
+  the model's own earlier answer, and unlike ``repeat`` the reuse reads the pair that
+  the correct earlier prediction read (or the early answer, which has the same form).
 
 The last answer of every task ends the window, so the gap between an item's use and its
 reuse is most of the window. Evaluation examples are cut from held-out books; training
@@ -40,7 +47,7 @@ import numpy as np
 
 __all__ = ["TASKS", "KEY_LETTERS", "QUERY", "REPEAT", "SYMBOLS", "EARLY", "LATE", "TaskBatch", "make_tasks", "mixed_tasks"]
 
-TASKS = ("passkey", "recall", "repeat")
+TASKS = ("passkey", "recall", "repeat", "chain")
 KEY_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 QUERY = "="
 REPEAT = "@"  # the key of a repeat query: "your previous answer"
@@ -120,6 +127,33 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
                 tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
         else:
             tail = [(f" {QUERY}{REPEAT}", 0), (values[asked[0]], LATE)]
+    elif kind == "chain":
+        # Three pointer pairs (key -> another key) and the three pairs they point to.
+        pointers, targets = keys[:3], keys[3:]
+        points_to = dict(zip(pointers, rng.permutation(targets)))
+        values = {k: _digits(rng, 1) for k in targets}
+        pairs = [QUERY + k + points_to[k] for k in pointers] + [QUERY + k + values[k] for k in targets]
+        head = [(" " + " ".join(pairs[i] for i in rng.permutation(PAIRS)) + " ", 0)]
+        depth = rng.uniform(0.02, 0.1)
+        start_key = pointers[rng.integers(3)]
+        target = points_to[start_key]
+        # The model answers the pointer, then looks up its own answer.
+        middle = [(f" {QUERY}{start_key}", 0), (target, EARLY), (f" {QUERY}", 0), (target, EARLY),
+                  (values[target], EARLY), (" ", 0)]
+        tail = [(f" {QUERY}{start_key}{target} {QUERY}{target}", 0), (values[target], LATE)]
+    elif kind == "chain_drill":
+        # Training only: the chain's pairs, every pointer followed right away.
+        pointers, targets = keys[:3], keys[3:]
+        points_to = dict(zip(pointers, rng.permutation(targets)))
+        values = {k: _digits(rng, 1) for k in targets}
+        pairs = [QUERY + k + points_to[k] for k in pointers] + [QUERY + k + values[k] for k in targets]
+        head = [(" " + " ".join(pairs[i] for i in rng.permutation(PAIRS)) + " ", 0)]
+        depth = rng.uniform(0.0, 0.2)
+        middle = []
+        tail = []
+        for k in rng.permutation(pointers):
+            tail += [(f" {QUERY}{k}", 0), (points_to[k], LATE), (f" {QUERY}", 0), (points_to[k], LATE),
+                     (values[points_to[k]], LATE)]
     elif kind == "drill":
         # Training only: every pair queried right away, in another order; many lookups
         # per window teach the lookup faster than the sparse tasks alone.
@@ -187,16 +221,27 @@ def make_tasks(kind: str, text: np.ndarray, count: int, length: int, seed: int) 
     return TaskBatch(kind, tokens, answer, group)
 
 
-def mixed_tasks(text: np.ndarray, count: int, length: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """A training batch: ``count`` examples, half of them drawn uniformly from
-    :data:`TASKS`, half *drills* (six pairs, each queried right after them: many
-    lookups per window, which teach the lookup much faster than the tasks alone).
+def mixed_tasks(text: np.ndarray, count: int, length: int, rng: np.random.Generator,
+                kinds: tuple[str, ...] = TASKS) -> tuple[np.ndarray, np.ndarray]:
+    """A training batch: ``count`` examples, half of them drawn uniformly from ``kinds``,
+    half *drills* (six pairs, each queried right after them: many lookups per window,
+    which teach the lookup much faster than the tasks alone; with the chain among
+    ``kinds``, half the drills are the chain's, every pointer followed right away).
 
     Returns:
       ``(tokens [N, T + 1], answer [N, T])`` with answer codes as in :class:`TaskBatch`.
     """
     text = _checked(text, count, length)
-    kinds = [TASKS[rng.integers(len(TASKS))] if rng.random() < 0.5 else "drill" for _ in range(count)]
-    rows = [_example(kind, text, length, rng) for kind in kinds]
+    unknown = sorted(set(kinds) - set(TASKS))
+    if not kinds or unknown:
+        raise ValueError(f"kinds must be among {TASKS}, got {kinds}")
+    def draw() -> str:
+        if rng.random() < 0.5:
+            return kinds[rng.integers(len(kinds))]
+        # The chain's own drill only joins when the chain does (older mixes draw as before).
+        return "chain_drill" if "chain" in kinds and rng.random() < 0.5 else "drill"
+
+    drawn = [draw() for _ in range(count)]
+    rows = [_example(kind, text, length, rng) for kind in drawn]
     tokens, answer, _ = (np.stack(x) for x in zip(*rows))
     return tokens, answer

@@ -1,5 +1,6 @@
 """The controlled recall tasks: layout, answers, accuracy, and bad input."""
 
+import hashlib
 import re
 
 import numpy as np
@@ -37,6 +38,16 @@ def test_layout_and_answers(kind):
             assert len(pairs) == 6 and len(asked) == 6 and all(pairs[k] == v for k, v in asked)
             assert answers(batch, row, EARLY) == [v for _, v in asked[:3]] and late == [v for _, v in asked[3:]]
             assert sorted(k for k, _ in asked[:3]) == sorted(k for k, _ in asked[3:])
+        elif kind == "chain":
+            # Three pointers "=KQ" and three digit pairs; the early query follows one pointer
+            # and looks up the model's own answer, the late one does it again.
+            pointers = re.findall(f"{QUERY}([A-Z])([A-Z])", text)
+            links, pairs = dict(pointers[:3]), dict(found[:3])
+            assert len(pointers) == len(found) == 5 and len(links) == len(pairs) == 3
+            (start, target), (key, value) = pointers[3], found[3]
+            assert links[start] == target == key and pairs[key] == value
+            assert pointers[4] == pointers[3] and found[4] == found[3]
+            assert answers(batch, row, EARLY) == [target, target, value] and late == [value]
         else:
             pairs, (key, value), repeat = dict(found[:6]), found[6], found[7]
             assert len(found) == 8 and pairs[key] == value and answers(batch, row, EARLY) == [value]
@@ -70,6 +81,13 @@ def test_mixed_batch():
     tokens, answer = mixed_tasks(TEXT, 6, 128, np.random.default_rng(0))
     assert tokens.shape == (6, 129) and answer.shape == (6, 128)
     assert ((answer == LATE).sum(axis=1) >= 1).all()
+    # A mix without the chain draws exactly what it drew before the chain existed (the
+    # fingerprint of this batch then), so the shipped checkpoints' commands still hold.
+    tokens, answer = mixed_tasks(TEXT, 6, 128, np.random.default_rng(0), ("passkey", "recall", "repeat"))
+    digest = hashlib.sha256(tokens.astype(np.int32).tobytes() + answer.astype(np.int8).tobytes()).hexdigest()
+    assert digest[:16] == "48a455c9239c752c"
+    with pytest.raises(ValueError, match="kinds must be among"):
+        mixed_tasks(TEXT, 2, 128, np.random.default_rng(0), ("needle",))
 
 
 def test_bad_input():

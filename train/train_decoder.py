@@ -92,6 +92,7 @@ class TrainOptions:
       answer_weight: extra loss weight of answer digits in ``"tasks"`` data (each answer
         byte counts ``1 + answer_weight`` bytes).
       task_eval: validation examples per task for the answer accuracy (``"tasks"`` only).
+      tasks: the task kinds of ``"tasks"`` data (names from :data:`models.tasks.TASKS`).
       fresh_tokens: bytes whose embeddings are drawn afresh after ``init`` is loaded. The
         task symbols never occur in the books, so a text model has learnt nearly the same
         embedding for all of them (the softmax only ever pushed them down together); new
@@ -122,6 +123,7 @@ class TrainOptions:
     answer_weight: float = 20.0
     task_eval: int = 64
     fresh_tokens: str = ""
+    tasks: tuple[str, ...] = TASKS
 
     def __post_init__(self):
         for name in ("steps", "batch", "length", "save_every", "keep"):
@@ -136,6 +138,8 @@ class TrainOptions:
             raise ValueError(f"warmup must lie in [0, steps={self.steps}], got {self.warmup}")
         if self.data not in ("text", "tasks"):
             raise ValueError(f"data must be 'text' or 'tasks', got {self.data!r}")
+        if not self.tasks or not set(self.tasks) <= set(TASKS):
+            raise ValueError(f"tasks must be a non-empty selection of {TASKS}, got {self.tasks}")
         if not (self.fresh_tokens.isascii() and self.fresh_tokens.isprintable()):
             raise ValueError(f"fresh_tokens must be printable ASCII characters, got {self.fresh_tokens!r}")
         if not self.answer_weight >= 0:
@@ -146,8 +150,8 @@ class TrainOptions:
     def run_settings(self) -> dict[str, Any]:
         """The options that decide the trajectory: a resumed run must share them."""
         keys = ("steps", "batch", "length", "lr", "warmup", "end_lr_ratio", "weight_decay", "clip", "seed",
-                "data", "init", "answer_weight", "fresh_tokens")
-        return {k: getattr(self, k) for k in keys}
+                "data", "init", "answer_weight", "fresh_tokens", "tasks")
+        return {k: list(v) if isinstance(v := getattr(self, k), tuple) else v for k in keys}
 
 
 @dataclasses.dataclass
@@ -334,7 +338,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
     tx, train_step, losses_fn, hits_fn = _compiled(graphdef, optimizer)
     val_tasks = []
     if options.data == "tasks":
-        val_tasks = [make_tasks(kind, val_tokens, options.task_eval, options.length, seed=0) for kind in TASKS]
+        val_tasks = [make_tasks(kind, val_tokens, options.task_eval, options.length, seed=0) for kind in options.tasks]
     opt_state = tx.init(params)
     # The sampler's own generator, seeded apart from the parameters; its state is checkpointed.
     data_rng = np.random.default_rng([options.seed, 1])
@@ -397,7 +401,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
     try:
         for step in range(start, stop):
             if options.data == "tasks":
-                windows, answer = mixed_tasks(train_tokens, options.batch, options.length, data_rng)
+                windows, answer = mixed_tasks(train_tokens, options.batch, options.length, data_rng, options.tasks)
                 weights = 1.0 + options.answer_weight * (answer > 0)
             else:
                 windows = random_windows(train_tokens, options.batch, options.length, data_rng)
@@ -436,7 +440,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
         print(f"step {stop}: test loss {final['test']:.4f} ({bits_per_byte(final['test']):.3f} bits/byte)")
         log(step=stop, split="test", loss=final["test"], bits_per_byte=bits_per_byte(final["test"]), windows=count)
         if val_tasks:
-            test_tasks = [make_tasks(kind, test_tokens, options.task_eval, options.length, seed=0) for kind in TASKS]
+            test_tasks = [make_tasks(kind, test_tokens, options.task_eval, options.length, seed=0) for kind in options.tasks]
             accuracy = _task_accuracy(hits_fn, params, test_tasks, options.batch)
             print(f"step {stop}: test answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items()))
             log(step=stop, split="test", accuracy=accuracy)
@@ -484,6 +488,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="extra loss weight of answer digits (--data tasks)")
     p.add_argument("--fresh-tokens", default=defaults.fresh_tokens,
                    help="characters whose embeddings are redrawn after --init (the task symbols)")
+    p.add_argument("--tasks", type=lambda text: tuple(text.split(",")), default=defaults.tasks,
+                   help="comma-separated task kinds of --data tasks (default: all of models.tasks.TASKS)")
     p.add_argument("--task-eval", type=int, default=defaults.task_eval,
                    help="validation examples per task for the answer accuracy (--data tasks)")
     return p
