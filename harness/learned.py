@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -98,22 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
     plan = dataclasses.replace(QUICK if args.quick else FULL, estimator=args.estimator)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "quick" if args.quick else "learned"
-    if args.render:
-        saved = json.loads((out / f"{stem}.json").read_text())
-        rows, elapsed = saved["rows"], saved["seconds"]
-    else:
-        begin = time.perf_counter()
-        rows = regime.run(plan, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-        elapsed = time.perf_counter() - begin
+    out, stem = Path(args.out), "quick" if args.quick else "learned"
+    rows, elapsed = regime.measure_or_render(plan, out, stem, args.render)
     text = f"flsmem learned{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_report(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
-    if not args.render:
-        (out / f"{stem}.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "seconds": elapsed,
-                                                      "rows": rows}, indent=1) + "\n")
     regime.plot_curves(rows, str(out / f"{stem}-curves.png"))
     return rows
 

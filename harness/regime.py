@@ -495,24 +495,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure nothing: rewrite the tables and plots from the JSON already in --out")
 
 
-def run_cli(args: argparse.Namespace) -> list[dict]:
-    plan = QUICK if args.quick else FULL
-    out = Path(args.out)
+def measure_or_render(plan: Plan, out: Path, stem: str, render: bool) -> tuple[list[dict], float]:
+    """``(rows, seconds)``: measured by :func:`run` and saved as ``out/stem.json``, or,
+    with ``render``, read back from that file without measuring."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = "quick" if args.quick else "regime"
-    if args.render:
-        saved = json.loads((out / f"{stem}.json").read_text())
-        rows, elapsed = saved["rows"], saved["seconds"]
-    else:
-        begin = time.perf_counter()
-        rows = run(plan, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-        elapsed = time.perf_counter() - begin
+    path = out / f"{stem}.json"
+    if render:
+        saved = json.loads(path.read_text())
+        return saved["rows"], saved["seconds"]
+    begin = time.perf_counter()
+    rows = run(plan, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    elapsed = time.perf_counter() - begin
+    path.write_text(json.dumps({"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows}, indent=1) + "\n")
+    return rows, elapsed
+
+
+def run_cli(args: argparse.Namespace) -> list[dict]:
+    out, stem = Path(args.out), "quick" if args.quick else "regime"
+    rows, elapsed = measure_or_render(QUICK if args.quick else FULL, out, stem, args.render)
     text = f"flsmem regime{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
-    if not args.render:
-        (out / f"{stem}.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "seconds": elapsed,
-                                                      "rows": rows}, indent=1) + "\n")
     plot_map(rows, str(out / f"{stem}-map.png"))
     plot_curves(rows, str(out / f"{stem}-curves.png"))
     return rows

@@ -36,7 +36,6 @@ import json
 import math
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +43,6 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -52,6 +50,7 @@ from models.data import ByteTokenizer, eval_windows, load_split, random_windows
 from models.decoder import TINY, Decoder, DecoderConfig
 from models.tasks import LATE, TASKS, make_tasks, mixed_tasks
 from models.tiny import load_params, save_params
+from train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "evaluate", "task_accuracy", "bits_per_byte", "main"]
 
@@ -297,13 +296,6 @@ def _evaluate(losses_fn, params, tokens, length, count, batch) -> float:
     return float(np.concatenate(per_window)[:n].mean())
 
 
-def _manager(options: TrainOptions) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(
-        Path(options.workdir).resolve(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=options.keep, create=True),
-    )
-
-
 def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
           should_stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train (or resume training) a decoder on the Austen train split.
@@ -344,35 +336,15 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
     data_rng = np.random.default_rng([options.seed, 1])
     settings = {"options": options.run_settings(), "model": dataclasses.asdict(cfg)}
 
-    manager = _manager(options)
-    start = 0
-    if options.resume and manager.latest_step() is not None:
-        start = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-        restored = manager.restore(
-            start,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()),
-        )
-        meta = restored["meta"]
-        if meta["settings"] != json.loads(json.dumps(settings)):
-            raise ValueError(
-                f"the checkpoint in {workdir} was written with settings {meta['settings']}, "
-                f"not {settings}; use another --workdir, or --no-resume to start afresh there"
-            )
-        params, opt_state = restored["state"]["params"], restored["state"]["opt_state"]
+    checkpoints = Checkpoints(workdir, options.keep, settings)
+    start, state, meta = checkpoints.resume({"params": params, "opt_state": opt_state}, options.resume)
+    params, opt_state = state["params"], state["opt_state"]
+    if meta is not None:
         data_rng.bit_generator.state = meta["data_rng"]
-    elif manager.all_steps():
-        for step in manager.all_steps():
-            manager.delete(step)
 
     def save(step: int) -> None:
-        state = {"params": params, "opt_state": opt_state}
-        meta = {"step": step, "data_rng": data_rng.bit_generator.state, "settings": settings}
-        manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+        checkpoints.save(step, {"params": params, "opt_state": opt_state},
+                         {"step": step, "data_rng": data_rng.bit_generator.state})
 
     # A fresh run starts a fresh log; a resumed one carries on with its own.
     metrics = (workdir / "metrics.jsonl").open("a" if start else "w")
@@ -425,8 +397,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
                 break
     finally:
         bar.close()
-        manager.wait_until_finished()
-        manager.close()
+        checkpoints.close()
     if train_losses:
         elapsed = time.perf_counter() - started
         print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")
@@ -503,12 +474,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
     then resumes there.
     """
     args = vars(_parser().parse_args(argv))
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    try:
-        result = train(TrainOptions(**args), should_stop=stop.is_set)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    result = stop_on_sigterm(lambda should_stop: train(TrainOptions(**args), should_stop=should_stop))
     if result.interrupted:
         raise SystemExit(128 + signal.SIGTERM)
     return result

@@ -27,18 +27,16 @@ import dataclasses
 import json
 import signal
 import tempfile
-import threading
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from flsmem import estimator as E
+from train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
 
@@ -170,27 +168,12 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
                        learning_rate=options.learning_rate, hidden=options.hidden, seed=options.seed)
     fresh = policy.init_aux(policy, 1, 1, 1)
     learned = E.carry_over(fresh, layers_axis=False)
-    settings = json.loads(json.dumps(options.run_settings()))
     workdir = Path(options.workdir).absolute()
-    manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=options.keep, create=True))
-    start = 0
-    if options.resume and manager.latest_step() is not None:
-        start = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, learned)
-        restored = manager.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        if restored["meta"]["settings"] != settings:
-            raise ValueError(f"the checkpoint in {workdir} was written with settings {restored['meta']['settings']}, "
-                             f"not {settings}; use another --workdir, or --no-resume to start afresh there")
-        learned = restored["state"]
-    elif manager.all_steps():
-        for step in manager.all_steps():
-            manager.delete(step)
+    checkpoints = Checkpoints(workdir, options.keep, options.run_settings())
+    start, learned, _ = checkpoints.resume(learned, options.resume)
 
     def save(done: int) -> None:
-        manager.save(done, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(learned), meta=ocp.args.JsonSave({"batch": done, "settings": settings})),
-            force=True)
+        checkpoints.save(done, learned, {"batch": done})
 
     sources: dict[str, _Source] = {}
     log = (workdir / "metrics.jsonl").open("a" if start else "w")
@@ -224,8 +207,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     finally:
         bar.close()
         log.close()
-        manager.wait_until_finished()
-        manager.close()
+        checkpoints.close()
     if options.batches > start:
         print(f"streamed batches {start}..{options.batches} in {time.perf_counter() - started:.0f} s; "
               f"last loss {float(learned['loss']):.4f}")
@@ -284,12 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = vars(_parser().parse_args(argv))
     args["sources"] = tuple(s.strip() for s in args["sources"].split(","))
     args["fractions"] = _fractions(args["fractions"])
-    stop = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    try:
-        learned = train(EstimatorOptions(**args), should_stop=stop.is_set)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    learned = stop_on_sigterm(lambda should_stop: train(EstimatorOptions(**args), should_stop=should_stop))
     if learned.get("interrupted"):
         raise SystemExit(128 + signal.SIGTERM)
     return learned
