@@ -7,11 +7,20 @@ slots ``S`` (which eviction ranks) whole on each device. Two ways to run sharded
 * **jit with shardings** (the default): put the state on the mesh with :func:`shard`
   (and the inputs with :func:`row_sharding`), then call the usual jitted functions;
   XLA partitions them (GSPMD) with the program's global meaning, so every policy
-  computes what it computes on one device. Per-row work needs no communication; the
-  only cross-device steps are the "is any row due" flags of ``write`` and ``evict``
-  and, for the ``learned`` policy, the gradient pooled over all rows. The state's
-  float counters are kept per (row, head), so none is summed across devices. Inside
-  a ``lax.scan`` of your own, :func:`constrain` keeps the carried state in place.
+  computes what it computes on one device, bit for bit. Per-row work needs no
+  communication; the only cross-device steps are the "is any row due" flags of
+  ``write`` and ``evict`` and, for the ``learned`` policy, its training step: once
+  per horizon the snapshot's features are gathered to every device, which each run
+  the gradient over all rows as one device would (a float sum split over devices
+  would round differently). No float is summed across devices otherwise: the
+  state's float counters are kept per (row, head). Inside a ``lax.scan`` of your
+  own, :func:`constrain` keeps the carried state in place.
+
+  One caveat is XLA's, not the memory's: a dot product may round differently for
+  blocks of another shape. On the CPU backend the ``learned`` policy's scores match
+  one device's bit for bit when each device holds a multiple of 8 slots
+  (``B * K * S`` over the number of devices); otherwise the rows of its last,
+  partial SIMD block of the network's output layer may differ in the last bit.
 * **shard_map** (:func:`shard_map_update`): each device runs ``flsmem.update`` on its
   own block of batch rows. Needed where XLA cannot partition an operation, such as the
   Pallas top-k (``implementation="pallas"``) on GPU or TPU. Only for policies whose
