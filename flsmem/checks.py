@@ -124,7 +124,7 @@ def state_checks(state: MemoryState, *, after_update: bool = False) -> None:
     _check_rows(_rows(~state.valid[..., None] | jnp.isfinite(state.evidence)),
                 "a held slot's evidence is NaN or Inf")
     for field in dataclasses.fields(state.stats):
-        _check_rows(getattr(state.stats, field.name) >= 0, f"stats.{field.name} is negative")
+        _check_rows(_rows(getattr(state.stats, field.name) >= 0), f"stats.{field.name} is negative")
     if after_update and config.policy.evicts:
         n_present = jnp.sum(present, axis=-1)
         _check_rows(_rows(n_present < config.high_water),

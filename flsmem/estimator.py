@@ -51,6 +51,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flsmem.policies import Observation, Policy, SlotView, _check_nonneg_int, _check_positive, _require
 from flsmem.typing import Array, Float, PyTree
@@ -391,16 +392,29 @@ def _ranking_loss(prediction, label, held):
     return jnp.sum(weight * jax.nn.softplus(-margin)) / jnp.maximum(jnp.sum(weight), 1e-6)
 
 
+def _whole(x: Array) -> Array:
+    """``x`` gathered whole onto every device of the mesh it is split over (unchanged
+    on one device). The network's gradient sums over every slot of every row; computed
+    on split rows, each device would add up its own block and the blocks would then be
+    added across devices, in another order than one device adds and so with another
+    rounding. Gathered, every device runs one device's computation on the same data."""
+    mesh = jax.typeof(x).sharding.mesh
+    if mesh.empty:
+        return x
+    return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+
 def _learn(policy, view: SlotView, evidence, due, aux):
     """At a row's snapshot step: label the slots of the last snapshot still held, take
     one optimizer step on their squared error, then snapshot the slots held now."""
     rows = due[:, None, None]
-    held = rows & view.present & (aux["snap_birth"] == view.birth)
-    label = jnp.log1p(jnp.maximum(aux["gathered"], 0.0))
+    held = _whole(rows & view.present & (aux["snap_birth"] == view.birth))
+    label = _whole(jnp.log1p(jnp.maximum(aux["gathered"], 0.0)))
+    snapshot = _whole(aux["snap_features"])
     count = jnp.sum(held)
 
     def loss_fn(params):
-        prediction = predict(params, aux["snap_features"])
+        prediction = predict(params, snapshot)
         if policy.p["loss"] == "squared":
             error = jnp.where(held, prediction - label, 0.0)
             return jnp.sum(error * error) / jnp.maximum(count, 1).astype(jnp.float32)

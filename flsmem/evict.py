@@ -100,11 +100,12 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         evicted = state.valid & ~keep & due[..., None]
         ages = age(state).astype(jnp.float32)
         stats = state.stats
+        # Float sums stay per (row, head): summed over heads they would round
+        # differently when the heads are split over devices (see MemoryStats).
         stats = stats.replace(
             evictions=stats.evictions + jnp.sum(evicted, axis=(1, 2), dtype=jnp.int32),
-            evicted_age=stats.evicted_age + jnp.sum(jnp.where(evicted, ages, 0.0), axis=(1, 2)),
-            evicted_score=stats.evicted_score
-            + jnp.sum(jnp.where(evicted, state.score, 0.0), axis=(1, 2)),
+            evicted_age=stats.evicted_age + jnp.sum(jnp.where(evicted, ages, 0.0), axis=-1),
+            evicted_score=stats.evicted_score + jnp.sum(jnp.where(evicted, state.score, 0.0), axis=-1),
         )
         return state.replace(
             valid=state.valid & ~evicted,

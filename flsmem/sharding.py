@@ -7,10 +7,20 @@ slots ``S`` (which eviction ranks) whole on each device. Two ways to run sharded
 * **jit with shardings** (the default): put the state on the mesh with :func:`shard`
   (and the inputs with :func:`row_sharding`), then call the usual jitted functions;
   XLA partitions them (GSPMD) with the program's global meaning, so every policy
-  computes what it computes on one device. Per-row work needs no communication; the
-  only cross-device steps are the "is any row due" flags of ``write`` and ``evict``
-  and, for the ``learned`` policy, the gradient pooled over all rows. Inside a
-  ``lax.scan`` of your own, :func:`constrain` keeps the carried state in place.
+  computes what it computes on one device, bit for bit. Per-row work needs no
+  communication; the only cross-device steps are the "is any row due" flags of
+  ``write`` and ``evict`` and, for the ``learned`` policy, its training step: once
+  per horizon the snapshot's features are gathered to every device, which each run
+  the gradient over all rows as one device would (a float sum split over devices
+  would round differently). No float is summed across devices otherwise: the
+  state's float counters are kept per (row, head). Inside a ``lax.scan`` of your
+  own, :func:`constrain` keeps the carried state in place.
+
+  One caveat is XLA's, not the memory's: a dot product may round differently for
+  blocks of another shape. On the CPU backend the ``learned`` policy's scores match
+  one device's bit for bit when each device holds a multiple of 8 slots
+  (``B * K * S`` over the number of devices); otherwise the rows of its last,
+  partial SIMD block of the network's output layer may differ in the last bit.
 * **shard_map** (:func:`shard_map_update`): each device runs ``flsmem.update`` on its
   own block of batch rows. Needed where XLA cannot partition an operation, such as the
   Pallas top-k (``implementation="pallas"``) on GPU or TPU. Only for policies whose
@@ -23,6 +33,8 @@ of the Auto kind (:func:`make_mesh` builds one).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -67,9 +79,10 @@ def _aux_specs(state: MemoryState, batch_axis, head_axis) -> PyTree:
 
 def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_axis: str | None = "heads") -> MemoryState:
     """A pytree shaped like ``state`` whose leaves are the ``PartitionSpec`` of each
-    array: ``[B, K, S, ...]`` arrays split over (``batch_axis``, ``head_axis``), ``[B]``
-    arrays (step, stats) over ``batch_axis``, the policy's per-row state likewise and its
-    shared state (the learned estimator's parameters) replicated."""
+    array: ``[B, K, S, ...]`` and ``[B, K]`` arrays split over (``batch_axis``,
+    ``head_axis``), ``[B]`` arrays (step, the counts in stats) over ``batch_axis``, the
+    policy's per-row state likewise and its shared state (the learned estimator's
+    parameters) replicated."""
     validate.check_state(state)
     rows = PartitionSpec(batch_axis, head_axis)
     batch = PartitionSpec(batch_axis)
@@ -78,7 +91,10 @@ def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_a
         position=rows, valid=rows, birth=rows, evidence=rows, score=rows,
         step=batch,
         aux=_aux_specs(state, batch_axis, head_axis),
-        stats=jax.tree.map(lambda _: batch, state.stats),
+        stats=state.stats.replace(**{
+            field.name: rows if field.name in state.stats.PER_HEAD else batch
+            for field in dataclasses.fields(state.stats)
+        }),
     )
 
 

@@ -29,7 +29,8 @@ def smooth(state: MemoryState) -> MemoryState:
       state: the memory, after ``observe``.
 
     Returns:
-      The memory with ``score`` committed.
+      The memory with ``score`` ``[B, K, S]`` committed (0 for slots that are free or
+      whose item has not arrived yet) and ``stats.fallbacks`` counted.
     """
     validate.check_state(state)
     policy = state.config.policy

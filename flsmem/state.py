@@ -17,12 +17,16 @@ __all__ = ["MemoryState", "MemoryStats", "init", "present", "visible", "age", "o
 
 @struct.dataclass
 class MemoryStats:
-    """Running counters for monitoring, per batch row (summed over KV heads).
+    """Running counters for monitoring. Counts are per batch row (summed over KV
+    heads); the float sums of evicted items are per (batch row, KV head), so that a
+    memory with its heads split over devices adds up exactly what one device adds up
+    (a float sum over heads would run in another order). :func:`summary` gives every
+    figure per batch row.
 
     Attributes:
       evictions: ``[B]`` int32, items evicted.
-      evicted_age: ``[B]`` float32, sum of the ages of evicted items.
-      evicted_score: ``[B]`` float32, sum of the committed scores of evicted items.
+      evicted_age: ``[B, K]`` float32, sum of the ages of evicted items.
+      evicted_score: ``[B, K]`` float32, sum of the committed scores of evicted items.
       fallbacks: ``[B]`` int32, slots whose score was not finite when committed; their
         row was ranked by the policy's fallback score, or they by recency below every
         finite score.
@@ -33,16 +37,19 @@ class MemoryStats:
     """
 
     evictions: Int[Array, "B"]
-    evicted_age: Float[Array, "B"]
-    evicted_score: Float[Array, "B"]
+    evicted_age: Float[Array, "B K"]
+    evicted_score: Float[Array, "B K"]
     fallbacks: Int[Array, "B"]
     forced_writes: Int[Array, "B"]
     nonfinite_inputs: Int[Array, "B"]
 
+    # Fields shaped [B, K]; the others are [B].
+    PER_HEAD = ("evicted_age", "evicted_score")
+
     @classmethod
-    def zeros(cls, batch: int) -> "MemoryStats":
+    def zeros(cls, batch: int, kv_heads: int) -> "MemoryStats":
         i = jnp.zeros((batch,), jnp.int32)
-        f = jnp.zeros((batch,), jnp.float32)
+        f = jnp.zeros((batch, kv_heads), jnp.float32)
         return cls(i, f, f, i, i, i)
 
 
@@ -146,7 +153,7 @@ def init(
         score=jnp.zeros(rows, jnp.float32),
         step=jnp.zeros((batch,), jnp.int32),
         aux=aux,
-        stats=MemoryStats.zeros(batch),
+        stats=MemoryStats.zeros(batch, kv_heads),
         config=config,
     )
 
@@ -190,14 +197,17 @@ def summary(state: MemoryState) -> dict[str, Array]:
     validate.check_state(state)
     s = state.stats
     n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
+    # The per-head sums are added over heads only here, when read.
+    evicted_age = jnp.sum(s.evicted_age, axis=-1)
+    evicted_score = jnp.sum(s.evicted_score, axis=-1)
     policy = state.config.policy
     extra = {} if policy.monitor is None else policy.monitor(policy, state.aux)
     return extra | {
         "step": state.step,
         "occupancy": jnp.sum(state.valid, axis=(1, 2), dtype=jnp.int32),
         "evictions": s.evictions,
-        "mean_evicted_age": jnp.where(s.evictions > 0, s.evicted_age / n, jnp.nan),
-        "mean_evicted_score": jnp.where(s.evictions > 0, s.evicted_score / n, jnp.nan),
+        "mean_evicted_age": jnp.where(s.evictions > 0, evicted_age / n, jnp.nan),
+        "mean_evicted_score": jnp.where(s.evictions > 0, evicted_score / n, jnp.nan),
         "fallbacks": s.fallbacks,
         "forced_writes": s.forced_writes,
         "nonfinite_inputs": s.nonfinite_inputs,

@@ -26,8 +26,21 @@ def update(
 
     For one query this is the three calls in a row. For a chunk it gives exactly the
     kept set that one-query steps would give (items written as a chunk arrive one per
-    query), so chunked teacher forcing and per-token decode agree. Arguments as in
-    :func:`flsmem.observe`.
+    query), so chunked teacher forcing and per-token decode agree.
+
+    Args:
+      state: the memory, after ``write`` of the items these queries see.
+      attention: ``[B, K, S]`` or ``[B, K, Q, S]`` attention each query gave each slot,
+        query heads already reduced (:func:`flsmem.reduce_query_heads`).
+      correctness: ``[B]`` or ``[B, Q]`` weight in [0, 1] of each query's prediction
+        (1 if None).
+      future: shaped like ``attention``, each slot's future utility; required by the
+        oracle policy, ignored by the others.
+
+    Returns:
+      The memory after the Q queries: evidence folded, scores committed, rows holding
+      ``budget + evict_every`` present items evicted back to ``budget``, the clock
+      advanced by Q.
     """
     attention, correctness, future, _ = validate.observe_args(state, attention, correctness, future)
     return scan_queries(state, _step, attention, correctness, future)

@@ -3,6 +3,8 @@ message that names the argument and what was expected."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,10 +46,12 @@ def check_state(state) -> None:
         if _shape(value) != shape or jnp.result_type(value) != dtype:
             _fail(f"state.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
                   f"{jnp.result_type(value)}{list(_shape(value))}")
-    for path, value in jax.tree_util.tree_flatten_with_path(state.stats)[0]:
-        if _shape(value) != rows[:1]:
-            _fail(f"state.stats{jax.tree_util.keystr(path)} must have shape [B] = {list(rows[:1])}, "
-                  f"got {list(_shape(value))}")
+    for field in dataclasses.fields(state.stats):
+        value = getattr(state.stats, field.name)
+        per_head = field.name in state.stats.PER_HEAD
+        shape, dims = (rows[:2], "[B, K]") if per_head else (rows[:1], "[B]")
+        if _shape(value) != shape:
+            _fail(f"state.stats.{field.name} must have shape {dims} = {list(shape)}, got {list(_shape(value))}")
     if state.payload is not None:
         for path, value in jax.tree_util.tree_flatten_with_path(state.payload)[0]:
             if _shape(value)[:3] != rows:

@@ -117,6 +117,21 @@ def test_summary_reports_means_of_evicted_items():
     assert s["occupancy"].tolist() == [2]
 
 
+def test_summary_adds_the_per_head_sums_of_evicted_items():
+    """The state keeps the float sums per (row, head); summary reads them per row."""
+    config = testing.tiny_config(policy=P.window(), budget=2)
+    state = testing.tiny_memory(config, batch=1, kv_heads=2)
+    kv = {"k": jnp.zeros((1, 2, 4)), "v": jnp.zeros((1, 2, 4))}
+    for t in range(4):
+        state = flsmem.write(state, kv, jnp.array([t]))
+        state = flsmem.update(state, jnp.zeros((1, 2, state.slots)))
+    # Each head evicts p0 and p1, each at age 3.
+    assert state.stats.evicted_age.tolist() == [[6.0, 6.0]]
+    s = flsmem.summary(state)
+    assert s["evictions"].tolist() == [4]
+    assert s["mean_evicted_age"].tolist() == [3.0]
+
+
 def test_reduce_query_heads():
     att = jnp.arange(2 * 1 * 3 * 4, dtype=jnp.float32).reshape(2, 1, 3, 4)
     np.testing.assert_allclose(flsmem.reduce_query_heads(att, "mean"), att.mean(axis=2))

@@ -313,7 +313,9 @@ def check_accounting(setup: Setup, s: Stream, state, upto: int):
     assert np.all(stats.forced_writes == 0)
     written = s.mask[:upto].sum(0) * setup.kv_heads
     np.testing.assert_array_equal(stats.evictions, written - state.valid.sum((1, 2)))
-    assert np.all(stats.evicted_age >= stats.evictions * (setup.policy.protected_age + 1))
+    # The float sums are per (row, head); the count per row.
+    assert stats.evicted_age.shape == stats.evicted_score.shape == state.valid.shape[:2]
+    assert np.all(stats.evicted_age.sum(-1) >= stats.evictions * (setup.policy.protected_age + 1))
     assert np.all(np.isfinite(stats.evicted_score))
 
 

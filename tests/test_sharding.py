@@ -55,7 +55,9 @@ def test_partition_specs_follow_rows_and_replicate_shared_state():
     rows = PartitionSpec("batch", "heads")
     assert specs.payload == {"k": rows, "v": rows}
     assert (specs.position, specs.valid, specs.evidence, specs.step) == (rows, rows, rows, PartitionSpec("batch"))
+    # Counts are per batch row; the float sums of evicted items per row and head.
     assert specs.stats.evictions == PartitionSpec("batch")
+    assert specs.stats.evicted_score == rows
     # Per-row snapshots split with the rows; the network is shared and replicated.
     assert specs.aux["snap_features"] == PartitionSpec("batch", "heads", None, None)
     assert specs.aux["last_weight"] == PartitionSpec("batch")
@@ -110,13 +112,9 @@ POLICIES = {
 }
 
 
-def _assert_identical(a, b, inexact=()):
+def _assert_identical(a, b):
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
-        name = jax.tree_util.keystr(path)
-        if name in inexact:
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6, err_msg=name)
-        else:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 # Each case compiles the decode twice: the 2 x 4 mesh for most policies, batch rows
@@ -127,10 +125,8 @@ CASES = [(name, (2, 4)) for name in ("h2o", "kalman", "random", "learned")] + [(
 @multidevice
 @pytest.mark.parametrize("name, mesh_shape", CASES, ids=[f"{n}-mesh{m[0]}x{m[1]}" for n, m in CASES])
 def test_sharded_decode_equals_one_device(name, mesh_shape):
-    """Everything the memory holds and every decode output is bit for bit the same. Two
-    exceptions agree to float32 rounding: the monitoring counter ``stats.evicted_score``
-    sums evicted scores over KV heads, so with heads split the sum runs across devices
-    in another order; and the learned policy's network (see below)."""
+    """Everything the memory holds (counters, the learned policy's network and optimizer
+    state included) and every decode output is bit for bit the same."""
     config = flsmem.MemoryConfig(POLICIES[name], budget=6, evict_every=2)
     fresh = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
     tables = _tables(jax.random.key(7))
@@ -146,15 +142,7 @@ def test_sharded_decode_equals_one_device(name, mesh_shape):
     blocks = (B // mesh_shape[0], K // mesh_shape[1], config.capacity)
     assert many_state.valid.sharding.shard_shape(many_state.valid.shape) == blocks
     assert len(many_state.valid.sharding.device_set) == DEVICES
-    inexact = (".stats.evicted_score",) if mesh_shape[1] > 1 else ()
-    if name == "learned":
-        # The network's matmuls run on blocks of rows of another size, and XLA's CPU
-        # kernels round a dot product differently for different block shapes; the
-        # gradient is pooled over rows across devices. Scores, evidence and the
-        # network agree to float32 rounding; what is kept is exactly the same.
-        inexact = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_flatten_with_path(one_state)[0]
-                   if jnp.issubdtype(x.dtype, jnp.floating) and not jax.tree_util.keystr(path).startswith(".payload")]
-    _assert_identical(one_state, many_state, inexact)
+    _assert_identical(one_state, many_state)
     np.testing.assert_array_equal(np.asarray(one_out), np.asarray(many_out))
     assert int(one_state.stats.evictions.sum()) > 0
 
@@ -187,9 +175,7 @@ def test_shard_map_update_runs_the_pallas_kernel_per_device():
     reference = run(flsmem.init(config, batch, K, {"k": (D,), "v": (D,)}))
     sharded = run(sharding.shard(flsmem.init(kernel, batch, K, {"k": (D,), "v": (D,)}), mesh, head_axis=None))
     assert sharded.valid.sharding.shard_shape(sharded.valid.shape) == (1, K, config.capacity)
-    # The evicted-score counter is a float sum over each row's slots, which XLA rounds
-    # differently for a block of 1 row than for 8; the rest is bit for bit.
-    _assert_identical(reference, sharded, inexact=(".stats.evicted_score",))
+    _assert_identical(reference, sharded)
 
 
 @multidevice

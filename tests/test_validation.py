@@ -47,6 +47,8 @@ def test_config_takes_numpy_ints_as_ints_and_rejects_other_types():
         (lambda s: s.replace(evidence=jnp.zeros(s.valid.shape + (3,))), r"state.evidence must be float32\[2, 2, 9, 1\]"),
         (lambda s: s.replace(step=jnp.zeros((3,), jnp.int32)), "state.step"),
         (lambda s: s.replace(stats=s.stats.replace(evictions=jnp.zeros((1,), jnp.int32))), r"state.stats.evictions"),
+        (lambda s: s.replace(stats=s.stats.replace(evicted_score=jnp.zeros((2,)))),
+         r"state.stats.evicted_score must have shape \[B, K\] = \[2, 2\]"),
         (lambda s: s.replace(payload={"k": s.payload["k"][:, :, :4], "v": s.payload["v"]}), r"state.payload\['k'\]"),
         # A memory stacked over layers, given as is instead of mapped over.
         (lambda s: jax.tree.map(lambda x: jnp.stack([x, x]), s), "stacked over layers"),
