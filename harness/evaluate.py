@@ -332,8 +332,12 @@ def run_comparison(
     protocol: str = "stream",
     prefill_fraction: float = 0.75,
     progress: Callable[[str], None] | None = None,
+    on_stats: Callable[[str, int, dict], None] | None = None,
 ) -> list[Row]:
-    """Every policy at every budget on the same windows; full cache once."""
+    """Every policy at every budget on the same windows; full cache once.
+
+    ``on_stats(policy, budget, stats)``, when given, receives each run's memory summary
+    (see :func:`evaluate_windows`), so monitoring needs no second run."""
     if protocol not in ("stream", "prefill"):
         raise ValueError(f"protocol must be 'stream' or 'prefill', got {protocol!r}")
     steps = windows.shape[1] - 1
@@ -350,8 +354,10 @@ def run_comparison(
         if progress:
             progress(f"{name} @ {budget}")
         policy = make_policy(name, budget)
-        nll, _ = evaluate_nll(model, windows, policy, budget, chunk=chunk, correctness=correctness,
-                              prefill=prefill, futures=futures)
+        nll, stats = evaluate_nll(model, windows, policy, budget, chunk=chunk, correctness=correctness,
+                                  prefill=prefill, futures=futures)
+        if on_stats:
+            on_stats(name, budget, stats)
         nll = nll[:, scored]
         bpb = float(nll.sum() / LN2 / scored_bytes.sum())
         return Row(name, budget, float(nll.mean()), bpb)

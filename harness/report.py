@@ -95,19 +95,18 @@ def run(args: argparse.Namespace) -> list:
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
     ])
+    stats = {}
     rows = run_comparison(
         model, windows, byte_counts, budgets, policies, chunk=args.evict_every,
         correctness=args.correctness, protocol=args.protocol, prefill_fraction=args.prefill_fraction,
         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+        on_stats=(lambda name, budget, s: stats.__setitem__((name, budget), summarise_stats(s))) if args.stats else None,
     )
     elapsed = time.perf_counter() - begin
     title = (f"{args.model} on {args.text}: {args.windows} windows x {args.context} tokens, protocol "
              f"{args.protocol}, evict_every {args.evict_every}, correctness {args.correctness} ({elapsed:.0f} s)")
     print(format_table(rows, budgets, title))
-    stats = {}
     if args.stats:
-        stats = collect_stats(model, windows, budgets, policies, chunk=args.evict_every,
-                              correctness=args.correctness, prefill=prefill if args.protocol == "prefill" else 0)
         print()
         print(format_stats(stats))
     if args.plot:
@@ -197,23 +196,8 @@ def summarise_stats(stats: dict) -> dict[str, float]:
     return out
 
 
-def collect_stats(model, windows, budgets, policy_names, *, chunk, correctness, prefill) -> dict:
-    """``{(policy, budget): summarise_stats(...)}`` from one more run of each policy."""
-    from harness.evaluate import evaluate_windows, future_attention, make_policy
-
-    steps = windows.shape[1] - 1
-    futures = future_attention(model, windows, chunk) if "oracle" in policy_names else None
-    out = {}
-    for name in ["full"] + [n for n in policy_names if n != "full"]:
-        for budget in ([steps] if name == "full" else budgets):
-            _, _, stats = evaluate_windows(model, windows, make_policy(name, budget), budget, chunk=chunk,
-                                           correctness=correctness, prefill=prefill, futures=futures)
-            out[(name, budget)] = summarise_stats(stats)
-    return out
-
-
 def format_stats(stats: dict) -> str:
-    """The figures of :func:`collect_stats` as a table, one line per policy and budget."""
+    """``{(policy, budget): summarise_stats(...)}`` as a table, one line per policy and budget."""
     names = list(dict.fromkeys(k for figures in stats.values() for k in figures))
     header = f"{'policy':<16}{'budget':>7}" + "".join(f" {n:>{max(10, len(n))}}" for n in names)
     lines = ["memory statistics (flsmem.summary): counters summed over layers and windows, "

@@ -56,8 +56,15 @@ def test_future_attention_sums_later_queries():
 
 
 def test_comparison_rows_and_gap_closed():
-    rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 32), [8], ["streaming_llm", "h2o", "oracle"], chunk=8)
+    seen = {}
+    rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 32), [8], ["streaming_llm", "h2o", "oracle"], chunk=8,
+                          on_stats=lambda name, budget, stats: seen.__setitem__((name, budget), stats))
     by = {(r.policy, r.budget): r for r in rows}
+    # The memory statistics come from the same runs as the rows (no second run): h2o at 8
+    # evicts the same 24 items per layer, window and KV head as evaluate_nll's own run.
+    assert set(seen) == set(by)
+    np.testing.assert_array_equal(seen[("h2o", 8)]["evictions"], np.full((CFG.depth, 2), 24 * CFG.kv_heads))
+    assert int(np.sum(seen[("full", 32)]["evictions"])) == 0
     assert by[("full", 32)].delta_vs_full == 0.0
     assert by[("streaming_llm", 8)].gap_closed == 0.0
     assert by[("oracle", 8)].gap_closed == pytest.approx(1.0)
