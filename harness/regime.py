@@ -30,6 +30,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Callable
 
+import jax
 import numpy as np
 
 from flsmem import policies as P
@@ -244,6 +245,10 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
                     for item, held in retention(setting, name, fraction).items():
                         rows.append(_row("retention", setting, name, fraction, held, item=item))
         setting._futures = None  # free the oracle's table before the next setting
+        # Every policy and budget compiles its own decode loop, used once. Dropping them
+        # keeps a long run under the kernel's limit on memory mappings (each compiled
+        # program holds some; a full run passed 65,530, Linux's default, and failed).
+        jax.clear_caches()
     return rows
 
 
