@@ -55,10 +55,11 @@ def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("FLSMEM_NOTEBOOK_SIZE", "small")
     # Shape bugs fail loudly in the notebooks too, as in the tests (conftest.py).
     monkeypatch.setenv("JAX_NUMPY_RANK_PROMOTION", "raise")
-    client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(COLAB)}})
+    client = NotebookClient(nb, timeout=600, startup_timeout=180, kernel_name="python3",
+                            resources={"metadata": {"path": str(COLAB)}})
     client.execute()  # raises CellExecutionError on the first failing cell
     outputs = nb.cells[-1].outputs
-    prefix, module = "".join(o.get("text", "") for o in outputs).split()
+    prefix, module = "".join(o.get("text", "") for o in outputs).splitlines()
     assert prefix == sys.prefix, "the kernel ran another Python environment than the tests"
     assert pathlib.Path(module).resolve().is_relative_to(ROOT), f"the notebook imported flsmem from {module}"
     setup = "".join(o.get("text", "") for o in nb.cells[1].outputs)

@@ -112,7 +112,7 @@ first = time.perf_counter() - begin
 begin = time.perf_counter()
 final, (served, occupancy) = jax.block_until_ready(run_stream(memory))
 second = time.perf_counter() - begin
-print(f"{STEPS} steps: first call {first:.2f} s (tracing and compiling), second {second * 1e3:.1f} ms; "
+print(f"{STEPS} steps: first call {first:.2f} s (tracing, compiling and running), second {second * 1e3:.1f} ms; "
       f"decode_step traced {TRACES['count']} time(s)")
 assert TRACES["count"] == 1
 print(f"items held per row: at most {int(occupancy.max())}, at the end {np.asarray(flsmem.occupancy(final)).ravel()[:4]} ... "

@@ -34,7 +34,7 @@ import numpy as np
 from flsmem import estimator, policies
 
 SETTINGS = {
-    "small": dict(batch=4, kv_heads=2, head_dim=32, steps=512, budget=64,
+    "small": dict(batch=4, kv_heads=2, head_dim=32, steps=1024, budget=64,
                   pretrain_batches=2, pretrain_windows=16, eval_examples=16),
     "large": dict(batch=16, kv_heads=4, head_dim=64, steps=4096, budget=256,
                   pretrain_batches=24, pretrain_windows=32, eval_examples=96),
@@ -69,12 +69,13 @@ print(shipped.name, "policy, online:", shipped.p["online"], "| horizon", shipped
 # evict; the scan also records `flsmem.summary`'s figures of the estimator (its last loss
 # and its number of updates) at every step.
 #
-# Two estimators, each behind a recent window of 8 items:
+# Two networks under the same policy (the shipped settings: horizon 64, learning online
+# at rate 1e-2, behind a recent window of 8 items), so they share one compiled program:
 #
-# * **scratch**: a fresh network that starts ranking as H2O (`prior="h2o"`: its linear
-#   part reads the log H2O score, the rest is 0) and learns online (horizon 16);
-# * **shipped**: the pretrained weights, learning online (its horizon is 64, so it takes
-#   a quarter as many steps).
+# * **shipped**: the pretrained weights;
+# * **scratch**: a fresh network that starts ranking as H2O (`estimator.init_params` with
+#   `prior="h2o"`: its linear part reads the log H2O score, the rest is 0), put into the
+#   fresh memory's policy state in place of the pretrained weights.
 #
 # `online=False` would freeze a network: no loss is computed and the parameters stay put.
 
@@ -106,14 +107,13 @@ def run_stream(memory):
     return jax.lax.scan(step, memory, (jnp.arange(STEPS), keys, queries, target))
 
 
-candidates = {
-    "scratch": estimator.learned(prior="h2o", horizon=16, learning_rate=1e-2, recent=8),
-    "shipped": estimator.from_checkpoint(CHECKPOINT, online=True, recent=8),
-}
+policy = estimator.from_checkpoint(CHECKPOINT, online=True, learning_rate=1e-2, recent=8)
+config = flsmem.MemoryConfig(policy=policy, budget=BUDGET, evict_every=8)
+shipped_start = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
+scratch_params = estimator.init_params(hidden=32, seed=0, prior="h2o")
+scratch_start = shipped_start.replace(aux=shipped_start.aux | {"params": scratch_params})
 runs = {}
-for name, policy in candidates.items():
-    config = flsmem.MemoryConfig(policy=policy, budget=BUDGET, evict_every=8)
-    start = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
+for name, start in {"shipped": shipped_start, "scratch": scratch_start}.items():
     end, (served, loss, updates) = run_stream(start)
     moved = jax.tree.map(lambda a, b: jnp.sum((a - b) ** 2), end.aux["params"], start.aux["params"])
     runs[name] = dict(served=float(jnp.mean(served[STEPS // 2:])), loss=np.asarray(loss),
