@@ -22,7 +22,11 @@ __all__ = ["evict", "is_due", "priority", "protected"]
 
 def protected(state: MemoryState) -> Bool[Array, "B K S"]:
     """Present items that ``evict`` must keep: attention sinks (position below
-    ``sinks``), the recent window and slots inside their commit lag."""
+    ``sinks``), the recent window and slots inside their commit lag.
+
+    Returns:
+      ``[B, K, S]`` bool.
+    """
     policy = state.config.policy
     sink = state.position < policy.sinks
     young = age(state) <= policy.protected_age
@@ -32,7 +36,11 @@ def protected(state: MemoryState) -> Bool[Array, "B K S"]:
 def priority(state: MemoryState) -> Float[Array, "B K S"]:
     """The key ``evict`` ranks by: +inf for protected items and for items written but
     not yet arrived (a chunk's later items), the committed score for the other items,
-    -inf for free slots."""
+    -inf for free slots.
+
+    Returns:
+      ``[B, K, S]`` float32.
+    """
     here = present(state)
     keep_always = state.valid & (~here | protected(state))
     return jnp.where(keep_always, jnp.inf, jnp.where(here, state.score, -jnp.inf))
@@ -41,7 +49,11 @@ def priority(state: MemoryState) -> Float[Array, "B K S"]:
 def is_due(state: MemoryState, budget: int | None = None) -> Bool[Array, "B K"]:
     """Rows that :func:`evict` with the same ``budget`` would evict now: with None,
     those holding ``config.high_water`` present items; else those holding more than
-    ``budget``. Always False for a policy that never evicts."""
+    ``budget``. Always False for a policy that never evicts.
+
+    Returns:
+      ``[B, K]`` bool.
+    """
     n_present = jnp.sum(present(state), axis=-1, dtype=jnp.int32)
     if not state.config.policy.evicts:
         return jnp.zeros(n_present.shape, jnp.bool_)

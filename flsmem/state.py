@@ -159,7 +159,11 @@ def init(
 
 
 def present(state: MemoryState) -> Bool[Array, "B K S"]:
-    """Occupied slots whose item has arrived (a chunk's items arrive one per query)."""
+    """Occupied slots whose item has arrived (a chunk's items arrive one per query).
+
+    Returns:
+      ``[B, K, S]`` bool.
+    """
     return state.valid & (state.birth < state.step[:, None, None])
 
 
@@ -182,18 +186,33 @@ def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K 
 
 
 def age(state: MemoryState) -> Int[Array, "B K S"]:
-    """Queries each slot has seen: 1 right after the query of its arrival step."""
+    """Queries each slot has seen: 1 right after the query of its arrival step.
+
+    Returns:
+      ``[B, K, S]`` int32 (meaningless for free slots).
+    """
     return state.step[:, None, None] - state.birth
 
 
 def occupancy(state: MemoryState) -> Int[Array, "B K"]:
-    """Items held per row (including written items whose query is still to come)."""
+    """Items held per row (including written items whose query is still to come).
+
+    Returns:
+      ``[B, K]`` int32.
+    """
     return jnp.sum(state.valid, axis=-1, dtype=jnp.int32)
 
 
 def summary(state: MemoryState) -> dict[str, Array]:
     """Monitoring figures per batch row: counters, mean age/score of evicted items and
-    the policy's own figures (its ``monitor``, for example the estimator's loss)."""
+    the policy's own figures (its ``monitor``, for example the estimator's loss).
+
+    Returns:
+      A dict of ``[B]`` arrays: ``step``, ``occupancy`` (items held over all KV heads),
+      ``evictions``, ``mean_evicted_age`` and ``mean_evicted_score`` (NaN before the
+      first eviction), ``fallbacks``, ``forced_writes``, ``nonfinite_inputs``, and the
+      policy's own entries.
+    """
     validate.check_state(state)
     s = state.stats
     n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
