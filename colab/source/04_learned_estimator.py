@@ -215,7 +215,9 @@ for name, (accuracy, updates) in scores.items():
 # %% [markdown]
 # Sixteen examples make a rough measurement, and a few batches are a demonstration of
 # pretraining, not a pretraining: the shipped checkpoint saw 72 batches of tasks and
-# prose from three models (13 minutes on a 2-core CPU). `results/LEARNED.md` has the full comparison (`flsmem learned`, all three
-# tasks and prose, three seeds): at H = 0 the pretrained estimator beats `rmm` on the
-# repeat task at every budget and ties with `h2o` there. `flsmem learned --quick
+# prose from three models (21 minutes on a 2-core CPU). `results/LEARNED.md` has the full
+# comparison (`flsmem learned`, all four tasks and prose, three seeds): at H = 0 the
+# pretrained estimator beats `rmm` on the repeat task at every budget, beats `h2o` there
+# at 1/16 and loses to it at 1/4, and on the chain task, whose reuse reads a pair first
+# read long before, it loses to both. `flsmem learned --quick
 # --estimator DIR` compares any checkpoint directory written by `train_estimator --out`.
