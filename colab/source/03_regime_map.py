@@ -111,7 +111,11 @@ plt.show()
 # * **recall**: six pairs near the start, three queried a third of the way in, and the same
 #   three queried again at the end. An item that was used is used again;
 # * **repeat** (endogenous reuse): one pair queried a third of the way in; at the end `=@`
-#   asks for the model's previous answer, whatever it was.
+#   asks for the model's previous answer, whatever it was;
+# * **chain** (endogenous reuse through a lookup): pointers `=KQ` and pairs `=Q7`; a third
+#   of the way in the model follows a pointer and looks up its own answer (`=KQ =Q7`), and
+#   at the end it follows the same chain again. Which pair must survive is decided by the
+#   model's own earlier answer.
 #
 # The model is `checkpoints/tiny-tasks`, the tiny decoder fine-tuned on the tasks (it
 # answers every example right with the full cache). The score is the accuracy of the
@@ -122,7 +126,7 @@ plt.show()
 # %%
 if SIZE == "small":
     plan = regime.Plan(
-        tasks=("recall", "repeat"), seeds=(0,), examples=16, task_context=256, text_context=256,
+        tasks=("recall", "repeat", "chain"), seeds=(0,), examples=16, task_context=256, text_context=256,
         fractions=(1 / 2,), text_windows=4, text_models=(), policies=("oracle", "rmm", "h2o", "tova"),
         lag_settings=(), lag_fractions=(), signal_settings=(), signal_fractions=(),
     )
@@ -165,14 +169,16 @@ for (setting, fraction), (name, margin) in regime.winners(map_rows).items():
 # * on **recall**, where an item that was read by a correct prediction is read again,
 #   demonstrated utility keeps the used pairs and `rmm` beats `h2o` by a wide margin at
 #   half the context;
-# * on **repeat**, the source paper's endogenous case, `h2o` wins: the item the repeat
-#   needs is the earlier *answer*, which is attended mostly by the prose right after it,
-#   which the model often mispredicts, so the hard correctness weight gives it almost no
-#   evidence;
+# * on **repeat**, `h2o` wins: the item the repeat needs is the earlier *answer*, which is
+#   attended mostly by the prose right after it, which the model often mispredicts, so
+#   the hard correctness weight gives it almost no evidence;
+# * on **chain**, the other endogenous task, the reuse reads the pair that the model's
+#   correct earlier lookup read, and `rmm` beats `h2o` at a quarter and half of the
+#   context;
 # * the **lag sweep** (run at the large size) prices the commit lag: the H newest items
 #   are protected, and their slots come out of the budget. On the tasks a lag costs slots
 #   that should hold pairs; on prose a lag of 16 to 64 pays for itself.
 #
 # The small run here has one seed of 16 examples at one budget, so its margins are
-# rougher than the full run's; `flsmem regime --quick` (under a minute) and `flsmem regime` (14 minutes)
+# rougher than the full run's; `flsmem regime --quick` (under a minute) and `flsmem regime` (about 20 minutes)
 # run the harness's own plans from the command line.
