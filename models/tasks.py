@@ -102,6 +102,17 @@ def _digits(rng: np.random.Generator, n: int) -> str:
     return "".join(str(d) for d in rng.integers(0, 10, size=n))
 
 
+def _chain_pairs(keys: list[str], rng: np.random.Generator):
+    """The chain's pairs: three pointers (key -> another key) and the three pairs they
+    point to, in random order. Returns ``(pointers, points_to, values, head segments)``."""
+    pointers, targets = keys[:3], keys[3:]
+    points_to = dict(zip(pointers, rng.permutation(targets)))
+    values = {k: _digits(rng, 1) for k in targets}
+    pairs = [QUERY + k + points_to[k] for k in pointers] + [QUERY + k + values[k] for k in targets]
+    head = [(" " + " ".join(pairs[i] for i in rng.permutation(PAIRS)) + " ", 0)]
+    return pointers, points_to, values, head
+
+
 def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator):
     """One window: filler text with the task's insertions, and its answer codes."""
     keys = list(rng.choice(list(KEY_LETTERS), size=PAIRS, replace=False))
@@ -128,12 +139,7 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
         else:
             tail = [(f" {QUERY}{REPEAT}", 0), (values[asked[0]], LATE)]
     elif kind == "chain":
-        # Three pointer pairs (key -> another key) and the three pairs they point to.
-        pointers, targets = keys[:3], keys[3:]
-        points_to = dict(zip(pointers, rng.permutation(targets)))
-        values = {k: _digits(rng, 1) for k in targets}
-        pairs = [QUERY + k + points_to[k] for k in pointers] + [QUERY + k + values[k] for k in targets]
-        head = [(" " + " ".join(pairs[i] for i in rng.permutation(PAIRS)) + " ", 0)]
+        pointers, points_to, values, head = _chain_pairs(keys, rng)
         depth = rng.uniform(0.02, 0.1)
         start_key = pointers[rng.integers(3)]
         target = points_to[start_key]
@@ -143,11 +149,7 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
         tail = [(f" {QUERY}{start_key}{target} {QUERY}{target}", 0), (values[target], LATE)]
     elif kind == "chain_drill":
         # Training only: the chain's pairs, every pointer followed right away.
-        pointers, targets = keys[:3], keys[3:]
-        points_to = dict(zip(pointers, rng.permutation(targets)))
-        values = {k: _digits(rng, 1) for k in targets}
-        pairs = [QUERY + k + points_to[k] for k in pointers] + [QUERY + k + values[k] for k in targets]
-        head = [(" " + " ".join(pairs[i] for i in rng.permutation(PAIRS)) + " ", 0)]
+        pointers, points_to, values, head = _chain_pairs(keys, rng)
         depth = rng.uniform(0.0, 0.2)
         middle = []
         tail = []

@@ -103,14 +103,19 @@ def test_missed_evictions_force_replacement_and_are_counted():
     assert int(flsmem.occupancy(state)[0, 0]) == config.capacity
 
 
-def test_summary_reports_means_of_evicted_items():
+def _window_run(kv_heads: int):
+    """A window(budget 2) memory of one row after four steps of zero attention."""
     config = testing.tiny_config(policy=P.window(), budget=2)
-    state = testing.tiny_memory(config, batch=1, kv_heads=1)
-    kv = {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}
+    state = testing.tiny_memory(config, batch=1, kv_heads=kv_heads)
+    kv = {"k": jnp.zeros((1, kv_heads, 4)), "v": jnp.zeros((1, kv_heads, 4))}
     for t in range(4):
         state = flsmem.write(state, kv, jnp.array([t]))
-        state = flsmem.update(state, jnp.zeros((1, 1, state.slots)))
-    s = flsmem.summary(state)
+        state = flsmem.update(state, jnp.zeros((1, kv_heads, state.slots)))
+    return state
+
+
+def test_summary_reports_means_of_evicted_items():
+    s = flsmem.summary(_window_run(kv_heads=1))
     # p0 evicted at step 2 with age 3, p1 at step 3 with age 3.
     assert s["evictions"].tolist() == [2]
     assert s["mean_evicted_age"].tolist() == [3.0]
@@ -119,12 +124,7 @@ def test_summary_reports_means_of_evicted_items():
 
 def test_summary_adds_the_per_head_sums_of_evicted_items():
     """The state keeps the float sums per (row, head); summary reads them per row."""
-    config = testing.tiny_config(policy=P.window(), budget=2)
-    state = testing.tiny_memory(config, batch=1, kv_heads=2)
-    kv = {"k": jnp.zeros((1, 2, 4)), "v": jnp.zeros((1, 2, 4))}
-    for t in range(4):
-        state = flsmem.write(state, kv, jnp.array([t]))
-        state = flsmem.update(state, jnp.zeros((1, 2, state.slots)))
+    state = _window_run(kv_heads=2)
     # Each head evicts p0 and p1, each at age 3.
     assert state.stats.evicted_age.tolist() == [[6.0, 6.0]]
     s = flsmem.summary(state)
