@@ -3,7 +3,8 @@
 Each example is one window of ``length + 1`` bytes of Austen text (the same byte format
 as :mod:`models.data`) with short structured insertions:
 
-* a *pair* ``=K7`` binds a key (an uppercase letter) to a value (a digit);
+* a *pair* ``=K7`` binds a key (an uppercase letter) to a value (a digit); a *pointer*
+  ``=KQ`` binds it to another key (the chain task);
 * a *query* ``=K7`` asks for the value of ``K``: written like the pair, but the digit
   after ``=K`` is now the answer the model must produce;
 * a *repeat* ``=@7`` asks for the model's own previous answer, whatever it was (``@``
