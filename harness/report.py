@@ -96,11 +96,15 @@ def run(args: argparse.Namespace) -> list:
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
     ])
     stats = {}
+
+    def keep_stats(name: str, budget: int, summary: dict) -> None:
+        stats[(name, budget)] = summarise_stats(summary)
+
     rows = run_comparison(
         model, windows, byte_counts, budgets, policies, chunk=args.evict_every,
         correctness=args.correctness, protocol=args.protocol, prefill_fraction=args.prefill_fraction,
         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
-        on_stats=(lambda name, budget, s: stats.__setitem__((name, budget), summarise_stats(s))) if args.stats else None,
+        on_stats=keep_stats if args.stats else None,
     )
     elapsed = time.perf_counter() - begin
     title = (f"{args.model} on {args.text}: {args.windows} windows x {args.context} tokens, protocol "

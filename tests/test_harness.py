@@ -57,8 +57,12 @@ def test_future_attention_sums_later_queries():
 
 def test_comparison_rows_and_gap_closed():
     seen = {}
+
+    def keep(name, budget, stats):
+        seen[(name, budget)] = stats
+
     rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 32), [8], ["streaming_llm", "h2o", "oracle"], chunk=8,
-                          on_stats=lambda name, budget, stats: seen.__setitem__((name, budget), stats))
+                          on_stats=keep)
     by = {(r.policy, r.budget): r for r in rows}
     # The memory statistics come from the same runs as the rows (no second run): h2o at 8
     # evicts the same 24 items per layer, window and KV head as evaluate_nll's own run.
