@@ -53,9 +53,50 @@ def set_clock(name: str) -> None:
     _clock = name
 
 
-def add_clock_option(parser: argparse.ArgumentParser) -> None:
+def pin_cores(cores: int | None) -> None:
+    """Run this process (and the threads XLA starts later) on the first ``cores`` of
+    the cores it may use; None leaves it on all of them.
+
+    Call it before the first JAX computation: XLA sizes its thread pool from the cores
+    it may use when the backend starts. Why a benchmark may want one core: on a 2-core
+    CPU the time of a decode step depends on how quickly XLA's second thread wakes up
+    for each parallel operation, and a loop that does more work can run faster than a
+    loop that does less (measured in bench/NOTES.md); on one core a ratio compares
+    the work the two loops do.
+    """
+    if cores is None:
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 1 <= cores <= len(allowed):
+        raise ValueError(f"cores must be between 1 and the {len(allowed)} cores this process may use, got {cores}")
+    os.sched_setaffinity(0, allowed[:cores])
+
+
+def add_timing_options(parser: argparse.ArgumentParser) -> None:
+    """The timing options every benchmark takes: ``--clock`` and ``--cores``."""
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
+    parser.add_argument("--cores", type=_cores, default=None,
+                        help="run on this many cores (default: all); 1 times the work alone, without "
+                             "the effects of waking a second thread")
+
+
+def _cores(text: str) -> int:
+    """argparse type: a number of cores this process may run on."""
+    available = len(os.sched_getaffinity(0))
+    try:
+        cores = int(text)
+    except ValueError:
+        cores = 0
+    if not 1 <= cores <= available:
+        raise argparse.ArgumentTypeError(f"--cores must be between 1 and {available}, got {text!r}")
+    return cores
+
+
+def set_timing(args: argparse.Namespace) -> None:
+    """Apply the options of :func:`add_timing_options`; call right after parsing."""
+    set_clock(args.clock)
+    pin_cores(args.cores)
 
 
 def fresh(tree):
@@ -116,6 +157,8 @@ def machine() -> dict[str, object]:
     """The machine in words (no paths, no host names)."""
     return {
         "cpu_cores": os.cpu_count(),
+        # The cores this process ran on (--cores).
+        "cores_used": len(os.sched_getaffinity(0)),
         "cpu": platform.processor() or platform.machine(),
         "backend": jax.default_backend(),
         "devices": [d.device_kind for d in jax.devices()],

@@ -55,9 +55,8 @@ def parse(argv=None):
     parser.add_argument("--skip", type=common.choices(("reference", "few_dropped", "pallas")), default=[],
                         help="implementations to leave out")
     parser.add_argument("--out", default="kernel", help="name of the results/bench/<name>.json file")
-    common.add_clock_option(parser)
+    common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    common.set_clock(args.clock)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
@@ -65,6 +64,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    common.set_timing(args)  # before the first computation: it may pin the cores
     backend = jax.default_backend()
     impls = {k: v for k, v in implementations(backend).items() if k not in args.skip}
     rows = []

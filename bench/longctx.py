@@ -41,9 +41,8 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call (a multiple of 8)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of back-to-back pairs; the median is reported")
     parser.add_argument("--out", default="longctx", help="name of the results/bench/<name>.json file")
-    common.add_clock_option(parser)
+    common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    common.set_clock(args.clock)
     if args.steps < 1 or args.steps % EVICT_EVERY or args.rounds < 1:
         parser.error(f"--steps must be a positive multiple of {EVICT_EVERY} and --rounds >= 1, "
                      f"got {args.steps} and {args.rounds}")
@@ -92,6 +91,7 @@ def measure(model, batch: int, positions: list[int], steps: int, rounds: int) ->
 
 def main(argv=None):
     args = parse(argv)
+    common.set_timing(args)  # before the first computation: it may pin the cores
     model = common.load_model(args.model)
     rows = []
     for batch in args.batch:

@@ -10,6 +10,11 @@ multiple of every ``evict_every``, so each call holds the same number of evictio
 
     python -m bench.overhead            # the full table (tiny and SmolLM2, batch 1 and 8)
     python -m bench.overhead --quick    # SmolLM2, batch 1, rmm, evict_every 8: < 2 min
+
+On a 2-core CPU, pass ``--cores 1`` to compare the work of the two loops: with two
+threads, how fast XLA's second thread wakes for each parallel operation moves a step's
+time by more than flsmem's work does (bench/NOTES.md). ``--quick`` runs on one core
+unless ``--cores`` says otherwise.
 """
 
 from __future__ import annotations
@@ -38,13 +43,13 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     parser.add_argument("--rounds", type=int, default=9, help="rounds of back-to-back pairs; the median is reported")
     parser.add_argument("--quick", action="store_true",
-                        help="SmolLM2, batch 1, rmm, evict_every 8, 9 rounds; the last line is the overhead")
+                        help="SmolLM2, batch 1, rmm, evict_every 8, 9 rounds, one core; the last line is the overhead")
     parser.add_argument("--out", default="overhead", help="name of the results/bench/<name>.json file")
-    common.add_clock_option(parser)
+    common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    common.set_clock(args.clock)
     if args.quick:
         args.models, args.batch, args.policies, args.evict_every, args.rounds = ["smollm2"], [1], ["rmm"], [8], 9
+        args.cores = 1 if args.cores is None else args.cores
         if args.out == "overhead":
             args.out = "overhead-quick"
     if args.steps < 1 or args.rounds < 1:
@@ -98,6 +103,7 @@ def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int
 
 def main(argv=None):
     args = parse(argv)
+    common.set_timing(args)  # before the first computation: it may pin the cores
     rows = []
     for name in args.models:
         model = common.load_model(name)

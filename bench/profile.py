@@ -54,9 +54,8 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default="profile", help="name of the results/bench/<name>.json file")
-    common.add_clock_option(parser)
+    common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    common.set_clock(args.clock)
     if args.steps < 1 or args.rounds < 1:
         parser.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
     return args
@@ -64,6 +63,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    common.set_timing(args)  # before the first computation: it may pin the cores
     model = common.load_model(args.model)
     graphdef, params = nnx.split(model)
     cfg, steps, start = model.cfg, args.steps, 2 * BUDGET

@@ -109,9 +109,8 @@ def parse(argv=None):
     parser.add_argument("--python-steps", type=int, default=2, help="Python steps per timed call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="pyref", help="name of the results/bench/<name>.json file")
-    common.add_clock_option(parser)
+    common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    common.set_clock(args.clock)
     for name in ("rows", "steps", "python_steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -126,6 +125,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    common.set_timing(args)  # before the first computation: it may pin the cores
     rng = np.random.default_rng(0)
     rows = []
     for n in args.sizes:

@@ -44,7 +44,9 @@ def machine_line(record: dict) -> str:
 
 def command_block(record: dict) -> list[str]:
     clock = record.get("clock", "wall")
-    return ["", f"Command (clock: {clock}; code at commit {record.get('commit', 'not recorded')}):", "",
+    m = record["machine"]
+    cores = f"{m['cores_used']} of {m['cpu_cores']} cores" if "cores_used" in m else "all cores"
+    return ["", f"Command (clock: {clock}; {cores}; code at commit {record.get('commit', 'not recorded')}):", "",
             "```", record["command"], "```", ""]
 
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import common, kernel, overhead, pyref, report
+from bench import common, kernel, overhead, profile, pyref, report
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from models.decoder import Decoder, DecoderConfig
@@ -90,6 +90,8 @@ def test_python_implementation_keeps_what_flsmem_keeps():
         (overhead, ["--models", "gpt2"], "unknown"),
         (overhead, ["--steps", "12", "--evict-every", "8"], "multiple"),
         (overhead, ["--clock", "sundial"], "invalid choice"),
+        (overhead, ["--cores", "0"], "--cores must be between 1"),
+        (profile, ["--cores", "many"], "--cores must be between 1"),
         (pyref, ["--sizes", "8"], "recent window"),
         (pyref, ["--rows", "0"], "--rows"),
         (kernel, ["--skip", "cuda"], "unknown"),
@@ -107,9 +109,15 @@ def test_tiny_runs_and_report(results):
     kernel.main(["--sizes", "256", "--rows", "8", "--rounds", "1", "--skip", "pallas"])
     record = json.loads((results / "pyref.json").read_text())
     assert record["command"].startswith("python -m") or record["command"].startswith("python ")
-    assert {"jax", "cpu_cores"} <= set(record["machine"])
+    assert {"jax", "cpu_cores", "cores_used"} <= set(record["machine"])
     assert [r["evict_every"] for r in record["rows"]] == [1, 4]
     assert all(r["speedup"] > 0 for r in record["rows"])
     text = report.build()
     assert "Against a per-step Python implementation" in text and "no GPU was lent" in text
     assert "Not run yet: overhead-tiny, overhead" in text
+
+
+def test_quick_overhead_runs_on_one_core_unless_told():
+    assert overhead.parse(["--quick"]).cores == 1
+    assert overhead.parse(["--quick", "--cores", "1"]).cores == 1
+    assert overhead.parse([]).cores is None
