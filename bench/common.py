@@ -77,19 +77,21 @@ def add_timing_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine)")
     parser.add_argument("--cores", type=_cores, default=None,
-                        help="run on this many cores (default: all); 1 times the work alone, without "
-                             "the effects of waking a second thread")
+                        help="run on this many cores, or all (the default but for --quick); 1 times the "
+                             "work alone, without the effects of waking a second thread")
 
 
 def _cores(text: str) -> int:
     """argparse type: a number of cores this process may run on."""
     available = len(os.sched_getaffinity(0))
+    if text == "all":
+        return available
     try:
         cores = int(text)
     except ValueError:
         cores = 0
     if not 1 <= cores <= available:
-        raise argparse.ArgumentTypeError(f"--cores must be between 1 and {available}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--cores must be between 1 and {available}, or all, got {text!r}")
     return cores
 
 

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Every benchmark behind results/BENCHMARKS.md, one after another (they would slow
-# each other down), then the report. About 40 minutes on a 2-core CPU.
+# each other down), then the report. About an hour on a 2-core CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
+# The overhead is the work flsmem adds, so its loops run on one core (bench/NOTES.md,
+# "Two threads"); the quick form once more on every core shows the difference.
 # tiny's steps take milliseconds, so its ratios need more rounds to settle.
-$python -m bench.overhead --models tiny --batch 1,8 --rounds 15 --out overhead-tiny
-$python -m bench.overhead --models smollm2 --batch 1,8 --rounds 7
+$python -m bench.overhead --models tiny --batch 1,8 --rounds 15 --cores 1 --out overhead-tiny
+$python -m bench.overhead --models smollm2 --batch 1,8 --rounds 9 --cores 1
 $python -m bench.overhead --quick
-$python -m bench.profile --batch 1,8
+$python -m bench.overhead --quick --cores all --out overhead-quick-all-cores
+$python -m bench.profile --batch 1,8 --cores 1
 $python -m bench.longctx --batch 1,8
 $python -m bench.pyref
 $python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3

@@ -2,6 +2,7 @@
 and a tiny configuration of each runs end to end (seconds, not the real sizes)."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -121,3 +122,4 @@ def test_quick_overhead_runs_on_one_core_unless_told():
     assert overhead.parse(["--quick"]).cores == 1
     assert overhead.parse(["--quick", "--cores", "1"]).cores == 1
     assert overhead.parse([]).cores is None
+    assert overhead.parse(["--quick", "--cores", "all"]).cores == len(os.sched_getaffinity(0))
