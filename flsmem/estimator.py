@@ -5,20 +5,34 @@ A small :class:`ImportanceNet` scores every slot from cheap per-slot features. T
 label it learns is free: ``horizon`` queries after a snapshot of a slot's features,
 the slot's demonstrated utility over those queries is known,
 
-    label = log(1 + sum over the next ``horizon`` queries of w_s * n_s * a_s(i)),
+    label = log(1 + peak over the next ``horizon`` queries of w_s * n_s * a_s(i)),
 
 with w_s the correctness weight of query s and n_s * a_s(i) the attention relative to
 uniform (n_s the items the query could attend, so 1 means "as much as any item", and
-the label means the same at every memory size). The policy ranks slots by the
-predicted label, so it decides at commit lag H = 0 without paying the lag's memory.
+the label means the same at every memory size); the "sum" label adds the queries up
+instead. The policy ranks slots by the predicted label, so it decides at commit lag
+H = 0 without paying the lag's memory.
 
-Every ``horizon`` queries a row snapshots its slots' features; at the next snapshot the
-slots that are still held (the same item, by its birth step) get their labels, and the
-network takes one optax step on the squared prediction error. The parameters and the
-optimizer state live in the memory's ``aux``, so online learning is a pure function
-of the state inside a jitted loop, with no retrace. A step whose loss or gradient is
-not finite is skipped and counted; a score that is not finite falls back to the
-``rmm`` score for the row (``stats.fallbacks``).
+A row snapshots its slots' features every ``horizon / snapshots`` queries, and each
+snapshot is labelled ``horizon`` queries after it was taken, so ``snapshots`` of them
+are in flight at once, each gathering the utility every slot shows. When one is due,
+its slots that still hold the same item (by its birth step) get their labels, the
+network takes one optax step on them, and the snapshot is taken again from the slots
+held now. The horizon must reach past the gap between two reads of an item: an item
+read again 150 queries after its last use shows nothing over a horizon of 64, gets
+label 0 and is learnt as one to evict. A long horizon with one snapshot would label
+(and learn) rarely; several in flight keep labels coming every ``horizon / snapshots``
+queries while each reaches the whole horizon ahead.
+
+A stream that ends leaves its in-flight snapshots unlabelled. For offline pretraining,
+:func:`flush` labels each with what it gathered up to the end, which for a stream that
+ends there is the truth (the peak over the rest of the stream), and takes one step on
+them all: with a horizon as long as the stream, every label reaches to its end.
+
+The parameters and the optimizer state live in the memory's ``aux``, so online
+learning is a pure function of the state inside a jitted loop, with no retrace. A step
+whose loss or gradient is not finite is skipped and counted; a score that is not
+finite falls back to the ``rmm`` score for the row (``stats.fallbacks``).
 
 Features (each chosen because one baseline or the oracle's behaviour depends on it):
 
@@ -35,8 +49,8 @@ Features (each chosen because one baseline or the oracle's behaviour depends on 
 * log position: the first items of a stream are attention sinks (StreamingLLM keeps
   them whatever their age).
 
-Labels are censored by eviction: only items still held a horizon later are labelled,
-so the estimator learns from what its policy kept.
+Labels are censored by eviction: only items still held when their snapshot is labelled
+get a label, so the estimator learns from what its policy kept.
 """
 
 from __future__ import annotations
@@ -63,6 +77,7 @@ __all__ = [
     "Weights",
     "carry_over",
     "features",
+    "flush",
     "from_checkpoint",
     "init_params",
     "learned",
@@ -306,6 +321,10 @@ def _init_evidence(policy, payload, position, birth):
     return jnp.stack(columns, axis=-1)
 
 
+# The per-row state of the snapshots in flight, each with a leading [M] axis when M > 1.
+_SNAPSHOT = ("snap_features", "gathered", "snap_birth", "snap_queries")
+
+
 def _init_aux(policy, batch, kv_heads, slots):
     weights = policy.p["weights"]
     params = (
@@ -313,19 +332,40 @@ def _init_aux(policy, batch, kv_heads, slots):
         else jax.tree.map(jnp.asarray, weights.params)
     )
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    rows = (batch, kv_heads, slots)
+    # One snapshot keeps the shapes the state had before several could be in flight.
+    m = policy.p["snapshots"]
+    rows = ((m,) if m > 1 else ()) + (batch, kv_heads, slots)
     return {
         "params": params,
         "opt": _optimizer(policy).init(params),
         "snap_features": jnp.zeros(rows + (len(FEATURES),), jnp.float32),
+        # The utility each slot has shown since the snapshot: its label to be.
         "gathered": jnp.zeros(rows, jnp.float32),
+        # The birth of the item each slot held at the snapshot; -1 where it held none
+        # or has lost it since (only the other slots are labelled).
         "snap_birth": jnp.full(rows, -1, jnp.int32),
+        # Queries the snapshot has gathered: one taken at a stream's last step has none.
+        "snap_queries": jnp.zeros(rows[:-2], jnp.int32),
         "last_weight": jnp.zeros((batch,), jnp.float32),
         "loss": jnp.full((), jnp.nan, jnp.float32),
         "labels": jnp.zeros((), jnp.int32),
         "updates": jnp.zeros((), jnp.int32),
         "skipped": jnp.zeros((), jnp.int32),
     }
+
+
+def _in_flight(policy, aux) -> dict:
+    """The snapshot entries of ``aux``, each with its leading [M] axis."""
+    if policy.p["snapshots"] > 1:
+        return {name: aux[name] for name in _SNAPSHOT}
+    return {name: aux[name][None] for name in _SNAPSHOT}
+
+
+def _stored(policy, snapshots: dict) -> dict:
+    """The inverse of :func:`_in_flight`: the entries as ``aux`` holds them."""
+    if policy.p["snapshots"] > 1:
+        return snapshots
+    return {name: x[0] for name, x in snapshots.items()}
 
 
 def carry_over(aux: PyTree, layers_axis: bool = True) -> PyTree:
@@ -369,12 +409,22 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
         e[..., _VALUE_NORM],
     ]
     evidence = jnp.where(view.present[..., None], jnp.stack(columns, axis=-1), e)
-    # The utility each slot has shown since its row's last snapshot: the label to be.
-    shown = w * z
-    gathered = jnp.maximum(aux["gathered"], shown) if policy.p["label"] == "peak" else aux["gathered"] + shown
-    aux = dict(aux, last_weight=obs.weight, gathered=jnp.where(view.present, gathered, aux["gathered"]))
+    # Every snapshot in flight gathers the utility each slot shows: its label to be.
+    snaps = _in_flight(policy, aux)
+    shown = (w * z)[None]
+    present = view.present[None]
+    gathered = snaps["gathered"]
+    gathered = jnp.maximum(gathered, shown) if policy.p["label"] == "peak" else gathered + shown
+    snaps["gathered"] = jnp.where(present, gathered, snaps["gathered"])
+    # A slot that loses its item never holds it again (a later item has a later birth),
+    # so the snapshot forgets it now: the aux alone then tells which slots to label,
+    # as the flush at a stream's end needs.
+    kept = present & (snaps["snap_birth"] == view.birth[None])
+    snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
+    snaps["snap_queries"] = snaps["snap_queries"] + 1
+    aux = dict(aux, last_weight=obs.weight, **_stored(policy, snaps))
     after = view.step + 1
-    due = after % policy.p["horizon"] == 0
+    due = after % (policy.p["horizon"] // policy.p["snapshots"]) == 0
     if policy.p["online"]:
         aux = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due),
                        lambda aux: aux, aux)
@@ -404,13 +454,14 @@ def _whole(x: Array) -> Array:
     return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
 
-def _learn(policy, view: SlotView, evidence, due, aux):
-    """At a row's snapshot step: label the slots of the last snapshot still held, take
-    one optimizer step on their squared error, then snapshot the slots held now."""
-    rows = due[:, None, None]
-    held = _whole(rows & view.present & (aux["snap_birth"] == view.birth))
-    label = _whole(jnp.log1p(jnp.maximum(aux["gathered"], 0.0)))
-    snapshot = _whole(aux["snap_features"])
+def _fit(policy, aux, snapshot, gathered, held):
+    """One optimizer step on the error of the predictions for the ``snapshot``
+    features ``[..., S, F]`` against the labels from ``gathered`` ``[..., S]``, over the
+    ``held`` slots (every leading axis pooled); a non-finite step is skipped and
+    counted, and a step with no slot to label is not taken."""
+    held = _whole(held)
+    label = _whole(jnp.log1p(jnp.maximum(gathered, 0.0)))
+    snapshot = _whole(snapshot)
     count = jnp.sum(held)
 
     def loss_fn(params):
@@ -426,7 +477,6 @@ def _learn(policy, view: SlotView, evidence, due, aux):
     params = optax.apply_updates(aux["params"], updates)
     take = finite & (count > 0)
     keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(take, new, old))
-    now = features(evidence, view.age, view.step + 1, view.position)
     return dict(
         aux,
         params=keep(params, aux["params"]),
@@ -435,10 +485,73 @@ def _learn(policy, view: SlotView, evidence, due, aux):
         labels=aux["labels"] + jnp.where(take, count, 0).astype(jnp.int32),
         updates=aux["updates"] + take.astype(jnp.int32),
         skipped=aux["skipped"] + ((count > 0) & ~finite).astype(jnp.int32),
-        snap_features=jnp.where(rows[..., None], now, aux["snap_features"]),
-        gathered=jnp.where(rows, 0.0, aux["gathered"]),
-        snap_birth=jnp.where(rows, jnp.where(view.present, view.birth, -1), aux["snap_birth"]),
     )
+
+
+def _learn(policy, view: SlotView, evidence, due, aux):
+    """At a row's snapshot step: label the slots of the snapshot due (taken ``horizon``
+    queries ago) that still hold their item, take one optimizer step on them, then
+    take that snapshot again from the slots held now."""
+    m = policy.p["snapshots"]
+    snaps = _in_flight(policy, aux)
+    index = (view.step + 1) // (policy.p["horizon"] // m) % m  # [B]: the snapshot due in each row
+    due_now = {name: x[index, jnp.arange(due.shape[0])] for name, x in snaps.items()}
+    # The same slots as snap_birth >= 0 (a lost item is forgotten as it goes), written as
+    # before several snapshots could be in flight: XLA fuses the loss, and so rounds it,
+    # by how the mask is built, and one snapshot learns bit for bit as it did.
+    held = due[:, None, None] & view.present & (due_now["snap_birth"] == view.birth)
+    aux = _fit(policy, aux, due_now["snap_features"], due_now["gathered"], held)
+    retake = (jnp.arange(m)[:, None] == index[None]) & due[None]  # [M, B]
+    slots = retake[:, :, None, None]
+    now = features(evidence, view.age, view.step + 1, view.position)[None]
+    snaps = dict(
+        snap_features=jnp.where(slots[..., None], now, snaps["snap_features"]),
+        gathered=jnp.where(slots, 0.0, snaps["gathered"]),
+        snap_birth=jnp.where(slots, jnp.where(view.present, view.birth, -1)[None], snaps["snap_birth"]),
+        snap_queries=jnp.where(retake, 0, snaps["snap_queries"]),
+    )
+    return dict(aux, **_stored(policy, snaps))
+
+
+def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
+    """Label every snapshot still in flight at the end of a stream, and learn from them.
+
+    Each snapshot's slots that still hold their item are labelled with the utility they
+    showed from the snapshot to the end of the stream (for a stream that ends there,
+    the peak over the rest of it), and the network takes one optimizer step on all of
+    them pooled, as an online step does (same optimizer, same skip rule and counters).
+    Snapshots that gathered no query (empty, or taken at the last step) add nothing.
+    The snapshots are emptied. Offline pretraining calls it after each batch's stream,
+    before :func:`carry_over`, so its labels reach the end of the stream.
+
+    Args:
+      policy: the :func:`learned` policy the memories ran (only its estimator
+        settings count: protection may differ).
+      aux: the policy state a stream ended with.
+      layers_axis: ``aux`` has a leading layer axis (as ``stats["aux"]`` of
+        :func:`harness.evaluate.evaluate_windows`); each layer's copy of the network
+        takes its own step.
+
+    Returns:
+      ``aux`` after the step.
+    """
+    _require(isinstance(policy, Policy) and policy.name == "learned",
+             f"policy must be the learned policy, got {getattr(policy, 'name', policy)!r}")
+    # Protection does not change the step: one compile serves every budget.
+    return _flush(policy.replace(sinks=0, recent=0, lag=0), aux, layers_axis)
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "layers_axis"))
+def _flush(policy, aux, layers_axis):
+    def one(aux):
+        snaps = _in_flight(policy, aux)
+        held = (snaps["snap_birth"] >= 0) & (snaps["snap_queries"] > 0)[..., None, None]
+        aux = _fit(policy, aux, snaps["snap_features"], snaps["gathered"], held)
+        empty = dict(snap_features=jnp.zeros_like(aux["snap_features"]), gathered=jnp.zeros_like(aux["gathered"]),
+                     snap_birth=jnp.full_like(aux["snap_birth"], -1), snap_queries=jnp.zeros_like(aux["snap_queries"]))
+        return dict(aux, **empty)
+
+    return jax.vmap(one)(aux) if layers_axis else one(aux)
 
 
 def _score(policy, view: SlotView, aux):
@@ -465,23 +578,29 @@ def _monitor(policy, aux):
 
 def learned(
     weights: Weights | None = None, *, online: bool = True, learning_rate: float = 1e-3,
-    horizon: int = 32, label: str = "peak", loss: str = "squared", prior: str | None = None, hidden: int = 32, seed: int = 0, sinks: int = 0, recent: int = 0,
-    lag: int = 0,
+    horizon: int = 32, snapshots: int = 1, label: str = "peak", loss: str = "squared", prior: str | None = None,
+    hidden: int = 32, seed: int = 0, sinks: int = 0, recent: int = 0, lag: int = 0,
 ) -> Policy:
     """The learned importance estimator as a policy.
 
     Rule: score = the :class:`ImportanceNet`'s prediction of the slot's demonstrated
     utility over the next ``horizon`` queries, from its :data:`FEATURES`; with
     ``online`` the network learns from each label as it matures (one optax step per
-    ``horizon`` queries, pooled over the memory's rows). A row with a non-finite score
-    is ranked by the ``rmm`` score.
+    ``horizon / snapshots`` queries, pooled over the memory's rows). A row with a
+    non-finite score is ranked by the ``rmm`` score.
 
     Args:
       weights: pretrained parameters (:func:`load`); None starts from a fresh network
         drawn with ``seed`` (online from scratch).
       online: keep learning while serving.
       learning_rate: Adam step size of the online updates.
-      horizon: queries over which a label is gathered, and the update period.
+      horizon: queries over which a label is gathered. It must reach past the gap
+        between two reads of an item, or the item is labelled 0 and learnt as one to
+        evict (on 256-token windows, reuses 100-170 queries apart need more than 64).
+      snapshots: snapshots in flight per row: one is taken every ``horizon /
+        snapshots`` queries (the update period) and labelled ``horizon`` queries later,
+        so a long horizon still gives labels often. Must divide ``horizon``. At the end
+        of a stream, :func:`flush` labels those in flight with what they gathered.
       label: "peak", the largest correctness-weighted relative attention the slot gets
         over the horizon (was it needed by some correct prediction?), or "sum", the
         total (how much was it used?).
@@ -500,6 +619,11 @@ def learned(
     _require(loss in ("squared", "ranking"), f"loss must be 'squared' or 'ranking', got {loss!r}")
     _require(isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1,
              f"horizon must be an int >= 1, got {horizon!r}")
+    _require(isinstance(snapshots, int) and not isinstance(snapshots, bool) and snapshots >= 1,
+             f"snapshots must be an int >= 1, got {snapshots!r}")
+    _require(horizon % snapshots == 0,
+             f"snapshots must divide horizon (a snapshot every horizon / snapshots queries), "
+             f"got snapshots={snapshots} for horizon={horizon}")
     _require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
              f"hidden must be an int >= 1, got {hidden!r}")
     _check_nonneg_int("seed", seed)
@@ -515,14 +639,16 @@ def learned(
         fallback_score=_score_rmm, monitor=_monitor, num_evidence=_NUM_EVIDENCE,
         sinks=sinks, recent=recent, lag=lag,
         params=(("weights", weights), ("online", online), ("learning_rate", float(learning_rate)),
-                ("horizon", horizon), ("label", label), ("loss", loss), ("prior", prior), ("hidden", hidden), ("seed", seed)),
+                ("horizon", horizon), ("snapshots", snapshots), ("label", label), ("loss", loss), ("prior", prior),
+                ("hidden", hidden), ("seed", seed)),
     )
 
 
 def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, fresh: bool = False,
                     **protection) -> Policy:
     """The :func:`learned` policy with the weights saved at ``path`` and the horizon,
-    label and loss they were trained with (``settings.json``).
+    snapshots, label, loss and prior they were trained with (``settings.json``; a
+    checkpoint saved without ``snapshots`` had one).
 
     Args:
       path: a directory written by :func:`save` or ``train/train_estimator.py``.
@@ -536,5 +662,6 @@ def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, f
     settings = load_settings(path)
     return learned(None if fresh else weights, online=online, learning_rate=learning_rate,
                    hidden=_hidden_of(weights.params), horizon=settings.get("horizon", 32),
+                   snapshots=settings.get("snapshots", 1),
                    label=settings.get("label", "peak"), loss=settings.get("loss", "squared"),
                    prior=settings.get("prior"), **protection)

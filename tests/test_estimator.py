@@ -136,6 +136,10 @@ def test_weights_hash_by_content():
     "kwargs, match",
     [
         ({"horizon": 0}, "horizon"),
+        ({"snapshots": 0}, "snapshots"),
+        ({"snapshots": 2.0}, "snapshots"),
+        ({"snapshots": True}, "snapshots"),
+        ({"horizon": 8, "snapshots": 3}, "snapshots must divide horizon"),
         ({"learning_rate": 0.0}, "learning_rate"),
         ({"label": "mean"}, "label"),
         ({"hidden": 0}, "hidden"),
@@ -170,6 +174,136 @@ def test_the_harness_variants_share_the_shipped_settings():
     for policy in variants.values():
         assert policy.recent == 32 and policy.lag == 0  # h2o's window, no commit lag
         assert policy.p["horizon"] == settings["horizon"] and policy.p["prior"] == settings["prior"]
+        assert policy.p["snapshots"] == settings.get("snapshots", 1)
     assert variants["learned"].p["weights"] == shipped and variants["learned"].p["online"]
     assert variants["learned_offline"].p["weights"] == shipped and not variants["learned_offline"].p["online"]
     assert variants["learned_scratch"].p["weights"] is None and variants["learned_scratch"].p["online"]
+
+
+# ------------------------------------------------------ several snapshots in flight
+
+HAND = 10  # queries of the hand-made stream
+
+
+def _hand_table():
+    """``[T, T]``: what query t gives position p (causal; position 0 draws 90% of query
+    2, so the label of the snapshot that saw query 2 is known)."""
+    table = np.tril(np.random.default_rng(0).uniform(0.1, 1.0, (HAND, HAND)))
+    table[2] = [0.9, 0.05, 0.05] + [0.0] * (HAND - 3)
+    return table / table.sum(axis=1, keepdims=True)
+
+
+def _hand_stream(policy, drop=None):
+    """One row, one head, room for everything: item t is written at step t, then query t
+    attends by the table with correctness 1; item ``drop`` is dropped (as an eviction
+    would) before step 7. Returns the table, the state after every step and the items
+    each query saw."""
+    table = _hand_table()
+    config = flsmem.MemoryConfig(policy=policy, budget=HAND, evict_every=HAND)
+    state = testing.tiny_memory(config, batch=1, kv_heads=1)
+
+    @jax.jit
+    def step(state, t):
+        kv = jnp.ones((1, 1, 1, testing.HEAD_DIM)) * (1.0 + t)
+        state = flsmem.write(state, {"k": kv, "v": kv}, jnp.full((1, 1), t, jnp.int32))
+        attention = testing.gather_attention(jnp.asarray(table)[None, None], state)[:, :, 0]
+        return flsmem.observe(state, attention, jnp.ones((1,)))
+
+    states, seen = [], []
+    for t in range(HAND):
+        if t == 7 and drop is not None:
+            state = state.replace(valid=state.valid.at[0, 0, drop].set(False))
+        state = step(state, jnp.int32(t))
+        states.append(state)
+        seen.append(int(jnp.sum(state.valid)))
+    assert step._cache_size() == 1
+    assert list(states[6].position[0, 0, :7]) == list(range(7))  # item p sits in slot p until the drop
+    return table, states, np.asarray(seen)
+
+
+def _peak(table, seen, first, last, items):
+    """The label rule by hand: log(1 + the largest attention relative to uniform that
+    each item gets from queries first..last), query t seeing seen[t] items."""
+    relative = table[first:last + 1][:, items] * seen[first:last + 1, None]
+    return np.log1p(relative.max(axis=0))
+
+
+def _errors(aux_before, snapshot, slots, labels):
+    """The squared errors of the step's predictions for these slots of the snapshot."""
+    prediction = E.predict(aux_before["params"], aux_before["snap_features"][snapshot, 0, 0, slots])
+    return (np.asarray(prediction) - labels) ** 2
+
+
+def test_snapshots_in_flight_are_labelled_a_horizon_after_they_were_taken():
+    # Horizon 4 with 2 in flight: a snapshot every 2 queries (after queries 2, 4, 6, 8 =
+    # steps 1, 3, 5, 7), snapshot (step + 1) // 2 % 2 due, each labelled 4 queries later.
+    table, states, seen = _hand_stream(E.learned(horizon=4, snapshots=2, learning_rate=1e-2))
+    aux = [jax.tree.map(np.asarray, s.aux) for s in states]
+    assert aux[0]["snap_birth"].shape == (2,) + states[0].valid.shape
+    births = lambda t, m: list(aux[t]["snap_birth"][m, 0, 0, :HAND])  # noqa: E731
+    # Step 1 takes snapshot 1 (items 0, 1); step 3 snapshot 0 (items 0..3); nothing to label.
+    assert births(1, 1) == [0, 1] + [-1] * (HAND - 2) and births(1, 0) == [-1] * HAND
+    assert births(3, 0) == [0, 1, 2, 3] + [-1] * (HAND - 4)
+    assert int(aux[4]["labels"]) == 0 and int(aux[4]["updates"]) == 0
+    # Both gather every query: snapshot 1 saw queries 2..4 (with item 0's peak at 2), 0 saw 4.
+    np.testing.assert_allclose(np.log1p(aux[4]["gathered"][1, 0, 0, :2]), _peak(table, seen, 2, 4, [0, 1]), rtol=1e-6)
+    np.testing.assert_allclose(np.log1p(aux[4]["gathered"][0, 0, 0, :4]), _peak(table, seen, 4, 4, [0, 1, 2, 3]),
+                               rtol=1e-6)
+    assert aux[4]["gathered"][1, 0, 0, 0] == pytest.approx(0.9 * 3)
+    # Step 5 labels snapshot 1 (items 0, 1 over queries 2..5) and takes it again.
+    assert int(aux[5]["labels"]) == 2 and int(aux[5]["updates"]) == 1
+    errors = _errors(aux[4], 1, [0, 1], _peak(table, seen, 2, 5, [0, 1]))
+    assert float(aux[5]["loss"]) == pytest.approx(errors.mean(), rel=1e-5)
+    assert births(5, 1) == list(range(6)) + [-1] * (HAND - 6) and births(5, 0) == births(3, 0)
+    # Step 7 labels snapshot 0 (items 0..3 over queries 4..7).
+    assert int(aux[7]["labels"]) == 2 + 4 and int(aux[7]["updates"]) == 2
+    errors = _errors(aux[6], 0, [0, 1, 2, 3], _peak(table, seen, 4, 7, [0, 1, 2, 3]))
+    assert float(aux[7]["loss"]) == pytest.approx(errors.mean(), rel=1e-5)
+
+
+def test_flush_labels_the_snapshots_in_flight_with_the_rest_of_the_stream():
+    policy = E.learned(horizon=4, snapshots=2, learning_rate=1e-2)
+    table, states, seen = _hand_stream(policy, drop=1)
+    # Item 1 is gone before step 7: snapshot 0 (from step 3) labels items 0, 2, 3 only.
+    assert int(states[7].aux["labels"]) == 2 + 3
+    held = {int(p): s for s, p in enumerate(states[7].position[0, 0]) if states[7].valid[0, 0, s]}
+    assert 1 not in held and 7 in held
+    # Three memories as the layers of one model: after step 8 (snapshot 1 from step 5
+    # holds items 0, 2..5 and has seen queries 6..8; snapshot 0 from step 7 holds 0, 2..7
+    # and has seen query 8), after step 7 (snapshot 0 was just taken: it has seen nothing
+    # and is left out) and a fresh one (nothing in flight).
+    fresh = policy.init_aux(policy, 1, 1, states[0].valid.shape[-1])
+    layers = [states[8].aux, states[7].aux, fresh]
+    flushed = jax.tree.map(np.asarray, E.flush(policy, jax.tree.map(lambda *x: jnp.stack(x), *layers)))
+    before = [jax.tree.map(np.asarray, aux) for aux in layers]
+    np.testing.assert_array_equal(flushed["labels"], [5 + 5 + 7, 5 + 5, 0])
+    np.testing.assert_array_equal(flushed["updates"], [2 + 1, 2 + 1, 0])
+    assert np.all(flushed["snap_birth"] == -1) and np.all(flushed["gathered"] == 0)
+    # One step on the labels pooled: the squared error is their mean.
+    one = [0, 2, 3, 4, 5]
+    zero = [0, 2, 3, 4, 5, 6, 7]
+    errors = np.concatenate([_errors(before[0], 1, [held[p] for p in one], _peak(table, seen, 6, 8, one)),
+                             _errors(before[0], 0, [held[p] for p in zero], _peak(table, seen, 8, 8, zero))])
+    assert flushed["loss"][0] == pytest.approx(errors.mean(), rel=1e-5)
+    errors = _errors(before[1], 1, [held[p] for p in one], _peak(table, seen, 6, 7, one))
+    assert flushed["loss"][1] == pytest.approx(errors.mean(), rel=1e-5)
+    assert np.isnan(flushed["loss"][2])
+    for a, b in zip(jax.tree.leaves(flushed["params"]), jax.tree.leaves(before[2]["params"])):
+        np.testing.assert_array_equal(a[2], b)  # no step where nothing was in flight
+
+
+def test_snapshots_split_with_the_rows_when_sharded():
+    from flsmem import sharding
+
+    config = flsmem.MemoryConfig(E.learned(horizon=4, snapshots=2, hidden=8), budget=6, evict_every=2)
+    state = flsmem.init(config, 3, 2, {"k": (testing.HEAD_DIM,)})
+    specs = sharding.partition_specs(state).aux
+    assert specs["snap_features"] == jax.sharding.PartitionSpec(None, "batch", "heads", None, None)
+    assert specs["snap_queries"] == jax.sharding.PartitionSpec(None, "batch")
+
+
+def test_from_checkpoint_reads_snapshots_and_defaults_to_one(tmp_path):
+    E.save(tmp_path / "many", E.init_params(8), {"horizon": 8, "snapshots": 4})
+    E.save(tmp_path / "one", E.init_params(8), {"horizon": 8})
+    assert E.from_checkpoint(tmp_path / "many").p["snapshots"] == 4
+    assert E.from_checkpoint(tmp_path / "one").p["snapshots"] == 1

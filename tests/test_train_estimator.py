@@ -44,11 +44,26 @@ def test_resume_refuses_other_settings(tmp_path):
         ({"task_context": 100}, "task_context"),
         ({"batches": 0}, "batches"),
         ({"label": "mean"}, "label"),
+        ({"snapshots": 3}, "snapshots"),
+        ({"flush": 1}, "flush"),
     ],
 )
 def test_bad_options(tmp_path, changes, match):
     with pytest.raises(ValueError, match=match):
         _options(tmp_path, **changes)
+
+
+def test_snapshots_and_flush_label_to_the_end_of_the_stream(tmp_path):
+    # A horizon as long as the 128-query windows: no label matures online, so the one
+    # step (per layer) and every label come from the flush at the end of the stream.
+    learned = T.train(_options(tmp_path, batches=1, horizon=128, snapshots=4, flush=True, out=str(tmp_path / "out")))
+    assert int(learned["updates"]) == 1 and int(learned["labels"]) > 0 and np.isfinite(float(learned["loss"]))
+    settings = E.load_settings(tmp_path / "out")
+    assert settings["snapshots"] == 4 and settings["flush"] is True
+    assert E.from_checkpoint(tmp_path / "out").p["snapshots"] == 4
+    args = T._parser().parse_args(["--horizon", "256", "--snapshots", "8", "--flush"])
+    assert (args.horizon, args.snapshots, args.flush) == (256, 8, True)
+    assert not T._parser().parse_args([]).flush
 
 
 def _row(setting, policy, fraction, value, metric="accuracy", per_seed=None):

@@ -11,7 +11,12 @@ mature, and what it learned is carried to the next batch
 turns: the task model on the controlled tasks (``tasks``), the tiny model on prose
 (``tiny``) and SmolLM2-135M on prose (``smollm2``); budgets take turns too, and a
 budget of 1 (the whole window, nothing evicted) gives every slot its label, where
-smaller budgets show the estimator the memories its own policy keeps.
+smaller budgets show the estimator the memories its own policy keeps. With ``--flush``
+the snapshots still in flight when a batch's stream ends are labelled with what they
+gathered up to the end (:func:`flsmem.estimator.flush`): with ``--horizon`` as long as
+the windows and ``--snapshots`` several, every label is the peak use over the rest of
+the stream, which reaches past the long gaps between two reads of an item that a short
+horizon labels 0.
 
 Orbax checkpoints in ``--workdir`` every ``--save-every`` batches hold the parameters,
 the optimizer state and the batch count; batch ``i`` is drawn from a generator seeded
@@ -53,8 +58,10 @@ class EstimatorOptions:
       batches: window batches streamed in the whole run.
       sources: the sources that take turns (see :data:`SOURCES`).
       fractions: budgets as fractions of the window, taking turns per round of sources.
-      horizon, label, loss, prior, learning_rate, hidden: the estimator's (see
-        :func:`flsmem.estimator.learned`).
+      horizon, snapshots, label, loss, prior, learning_rate, hidden: the estimator's
+        (see :func:`flsmem.estimator.learned`).
+      flush: after each batch's stream, label the snapshots still in flight and take
+        one step on them (:func:`flsmem.estimator.flush`).
       recent: the recent window, as a fraction of the budget (the harness gives the
         learned policy half the budget, as it gives h2o and rmm).
       windows: windows per batch (tiny models); SmolLM2 streams a quarter as many.
@@ -69,6 +76,8 @@ class EstimatorOptions:
     sources: tuple[str, ...] = ("tasks", "tiny")
     fractions: tuple[float, ...] = (1 / 8, 1 / 4, 1 / 2, 1.0)
     horizon: int = 32
+    snapshots: int = 1
+    flush: bool = False
     label: str = "peak"
     loss: str = "squared"
     prior: str | None = None
@@ -101,10 +110,12 @@ class EstimatorOptions:
         for name in ("task_context", "text_context"):
             if getattr(self, name) < CHUNK or getattr(self, name) % CHUNK:
                 raise ValueError(f"{name} must be a positive multiple of {CHUNK}, got {getattr(self, name)}")
+        if not isinstance(self.flush, bool):
+            raise ValueError(f"flush must be a bool, got {self.flush!r}")
         if self.out is not None and Path(self.out).exists():
             raise ValueError(f"out {self.out!r} exists; choose a new directory")
-        E.learned(horizon=self.horizon, label=self.label, loss=self.loss, prior=self.prior,
-                  learning_rate=self.learning_rate, hidden=self.hidden)
+        E.learned(horizon=self.horizon, snapshots=self.snapshots, label=self.label, loss=self.loss,
+                  prior=self.prior, learning_rate=self.learning_rate, hidden=self.hidden)
 
     def run_settings(self) -> dict:
         """The options that decide the trajectory: a resumed run must share them."""
@@ -164,8 +175,9 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     last checkpoint, at most ``save_every`` batches back."""
     from harness.evaluate import evaluate_windows
 
-    policy = E.learned(horizon=options.horizon, label=options.label, loss=options.loss, prior=options.prior,
-                       learning_rate=options.learning_rate, hidden=options.hidden, seed=options.seed)
+    policy = E.learned(horizon=options.horizon, snapshots=options.snapshots, label=options.label,
+                       loss=options.loss, prior=options.prior, learning_rate=options.learning_rate,
+                       hidden=options.hidden, seed=options.seed)
     fresh = policy.init_aux(policy, 1, 1, 1)
     learned = E.carry_over(fresh, layers_axis=False)
     workdir = Path(options.workdir).absolute()
@@ -190,7 +202,8 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
             budget = max(CHUNK, int(round(float(Fraction(fraction).limit_denominator(64)) * source.context)))
             protected = policy.replace(recent=int(options.recent * budget))
             _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned)
-            learned = E.carry_over(stats["aux"])
+            aux = E.flush(policy, stats["aux"]) if options.flush else stats["aux"]
+            learned = E.carry_over(aux)
             loss = float(learned["loss"])
             record = {"batch": batch + 1, "source": name, "budget": budget, "loss": loss,
                       "labels": int(learned["labels"]), "skipped": int(learned["skipped"])}
@@ -228,7 +241,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, default=d.batches, help="window batches in the whole run")
     p.add_argument("--sources", default=",".join(d.sources), help=f"comma-separated, from {SOURCES}")
     p.add_argument("--fractions", default="1/8,1/4,1/2,1", help="budgets as fractions of the window, in turn")
-    p.add_argument("--horizon", type=int, default=d.horizon, help="queries per label and update")
+    p.add_argument("--horizon", type=int, default=d.horizon, help="queries each label looks ahead")
+    p.add_argument("--snapshots", type=int, default=d.snapshots,
+                   help="snapshots in flight per row: one every horizon/snapshots queries, each labelled horizon later")
+    p.add_argument("--flush", action="store_true",
+                   help="at the end of each batch's stream, label the snapshots in flight with what they gathered")
     p.add_argument("--label", default=d.label, choices=("peak", "sum"), help="label kind")
     p.add_argument("--loss", default=d.loss, choices=("squared", "ranking"), help="loss of the online step")
     p.add_argument("--prior", default=None, choices=("h2o", "rmm"), help="start ranking as this heuristic")
