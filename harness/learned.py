@@ -30,8 +30,8 @@ FULL = dataclasses.replace(
     regime.FULL, policies=POLICIES, lag_settings=_NONE, lag_fractions=_NONE, signal_settings=_NONE,
     signal_fractions=_NONE, retention_settings=_NONE, retention_fractions=_NONE,
 )
-# The endogenous task and tiny prose at every budget: the loop for trying an estimator.
-QUICK = dataclasses.replace(regime.QUICK, fractions=regime.FULL.fractions,
+# The endogenous tasks and tiny prose at every budget: the loop for trying an estimator.
+QUICK = dataclasses.replace(regime.QUICK, tasks=ENDOGENOUS, fractions=regime.FULL.fractions,
                             policies=("learned", "learned_offline", "rmm", "h2o"))
 
 
@@ -87,7 +87,7 @@ def format_report(rows: list[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="repeat (one seed) and tiny prose, every budget, learned against rmm and h2o")
+                        help="repeat and chain (one seed) and tiny prose, every budget, learned against rmm and h2o")
     parser.add_argument("--estimator", default=None, metavar="DIR",
                         help="estimator checkpoint of the learned policies (default: checkpoints/estimator)")
     parser.add_argument("--out", default="results/learned", help="folder for learned.json, the tables and the plot")
