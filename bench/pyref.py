@@ -17,7 +17,10 @@ Beside them, the same pairs against a floor: a jitted loop that only adds each s
 attention to every item's score (``scores += attention``, one fused pass over
 ``[rows, N]``), the least any per-step scoring rule can do. Python over the floor is
 the largest speed-up any implementation could show on this machine; when it is below
-1,000x, the 1,000x goal of issue 7 is out of reach here whatever flsmem does.
+1,000x, the 1,000x goal of issue 7 is out of reach here whatever flsmem does. Two more
+loops profile flsmem's step in the same pairs: the write alone, and write + observe +
+smooth with no eviction falling due; each step is reported as a multiple of the
+floor's.
 
     python -m bench.pyref                          # N = 1k, 4k, 16k
     python -m bench.pyref --sizes 256 --rows 4     # a small check
@@ -92,16 +95,17 @@ def flsmem_memory(rows: int, budget: int, evict_every: int, filled: int, head_di
                           step=jnp.full((1,), filled, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("steps",), donate_argnums=(0,))
-def flsmem_steps(memory, attention, *, steps):
-    """``steps`` steps of write + update, each with the same attention ``[1, K, S]``."""
+@functools.partial(jax.jit, static_argnames=("steps", "stages"), donate_argnums=(0,))
+def flsmem_steps(memory, attention, *, steps, stages="update"):
+    """``steps`` steps of write + update, each with the same attention ``[1, K, S]``;
+    with ``stages="write"`` the write alone (for the profile of the step)."""
     _, k, _ = memory.valid.shape
     d = memory.payload["k"].shape[-1]
 
     def step(memory, t):
         item = {"k": jnp.ones((1, k, d)), "v": jnp.ones((1, k, d))}
         memory = flsmem.write(memory, item, jnp.full((1,), t, jnp.int32))
-        return flsmem.update(memory, attention), None
+        return (memory if stages == "write" else flsmem.update(memory, attention)), None
 
     return jax.lax.scan(step, memory, memory.step[0] + jnp.arange(steps, dtype=jnp.int32))[0]
 
@@ -167,6 +171,13 @@ def main(argv=None):
             attention = jnp.zeros((1, args.rows, s)).at[0, :, : n + 1].set(weights[:, : min(n + 1, s)])
             variants[f"flsmem/{ee}"] = (common.fresh(memory),
                                         lambda m, a=attention: flsmem_steps(m, a, steps=args.steps))
+        # The profile of a step: the write alone, then write + observe + smooth (no
+        # eviction falls due in the call: the rows never reach budget + evict_every).
+        for stage, ee, stages in (("write", args.steps, "write"), ("no_evict", 2 * args.steps, "update")):
+            memory = flsmem_memory(args.rows, n, ee, n)
+            attention = jnp.zeros((1, args.rows, memory.slots)).at[0, :, : n + 1].set(weights[:, : n + 1])
+            variants[stage] = (common.fresh(memory),
+                               lambda m, a=attention, st=stages: flsmem_steps(m, a, steps=args.steps, stages=st))
         floor_attention = jnp.asarray(weights)
         variants["floor"] = (common.fresh(jnp.zeros_like(floor_attention)),
                              lambda s, a=floor_attention: floor_steps(s, a, steps=args.steps))
@@ -176,15 +187,20 @@ def main(argv=None):
         # ratio = jitted call / python call; per step: python/step over jitted/step.
         speed = lambda x: args.steps / (x * args.python_steps)  # noqa: E731
         floor = speed(ratios["floor"]["median"])
+        # Each loop's step as a multiple of the floor's step.
+        passes = {name: floor / speed(r["median"]) for name, r in ratios.items()}
         for ee in args.evict_every:
             r = ratios[f"flsmem/{ee}"]
             row = {"n": n, "rows": args.rows, "evict_every": ee, "python_steps": args.python_steps,
                    "steps": args.steps, "rounds": args.rounds, "speedup": speed(r["median"]),
-                   "speedup_low": speed(r["high"]), "speedup_high": speed(r["low"]), "floor_speedup": floor}
+                   "speedup_low": speed(r["high"]), "speedup_high": speed(r["low"]), "floor_speedup": floor,
+                   "floors_write": passes["write"], "floors_no_evict": passes["no_evict"],
+                   "floors": passes[f"flsmem/{ee}"]}
             rows.append(row)
             print(f"N={n:6} rows={args.rows} flsmem evict_every={ee:3}: {row['speedup']:.0f}x faster per step "
                   f"than the Python implementation (rounds {row['speedup_low']:.0f}x .. {row['speedup_high']:.0f}x); "
-                  f"the floor (scores += attention): {floor:.0f}x", flush=True)
+                  f"the floor (scores += attention): {floor:.0f}x; the step costs {row['floors']:.0f} floors "
+                  f"(write {row['floors_write']:.0f}, write + observe + smooth {row['floors_no_evict']:.0f})", flush=True)
     common.save(args.out, {"rows": rows})
 
 

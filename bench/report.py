@@ -149,14 +149,19 @@ def pyref_section(record) -> tuple[list[str], list[str]]:
              "Python's time per step over flsmem's, median of back-to-back pairs. Floor: Python's time per "
              "step over that of a jitted loop that only adds each step's attention to every score "
              "(`scores += attention`, one pass over the rows), timed in the same pairs: the largest speed-up "
-             "any implementation that reads each item's attention once per step could show here.", "",
-             "| N | flsmem evict_every | faster per step | rounds range | floor |", "|---|---|---|---|---|"]
+             "any implementation that reads each item's attention once per step could show here. The last "
+             "three columns profile flsmem's step in floors (its time over the floor's): the write alone, "
+             "write + observe + smooth with no eviction due, and the whole step.", "",
+             "| N | flsmem evict_every | faster per step | rounds range | floor | write | + observe, smooth | whole step |",
+             "|---|---|---|---|---|---|---|---|"]
     goals = []
     worst = {}
     for row in record["rows"]:
         floor = f"{row['floor_speedup']:.0f}x" if "floor_speedup" in row else "not measured"
+        profile = " | ".join(f"{row[k]:.0f}" if k in row else "not measured"
+                             for k in ("floors_write", "floors_no_evict", "floors"))
         lines.append(f"| {row['n']} | {row['evict_every']} | {row['speedup']:.0f}x | "
-                     f"{row['speedup_low']:.0f}x .. {row['speedup_high']:.0f}x | {floor} |")
+                     f"{row['speedup_low']:.0f}x .. {row['speedup_high']:.0f}x | {floor} | {profile} |")
         if row["evict_every"] not in worst or row["speedup"] < worst[row["evict_every"]]["speedup"]:
             worst[row["evict_every"]] = row
     for ee, row in sorted(worst.items()):

@@ -113,6 +113,7 @@ def test_tiny_runs_and_report(results):
     assert {"jax", "cpu_cores", "cores_used"} <= set(record["machine"])
     assert [r["evict_every"] for r in record["rows"]] == [1, 4]
     assert all(r["speedup"] > 0 and r["floor_speedup"] > 0 for r in record["rows"])
+    assert all(r["floors_write"] > 0 and r["floors_no_evict"] > 0 and r["floors"] > 0 for r in record["rows"])
     text = report.build()
     assert "Against a per-step Python implementation" in text and "no GPU was lent" in text
     assert "Not run yet: overhead-tiny, overhead" in text
