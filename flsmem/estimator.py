@@ -537,6 +537,15 @@ def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
     """
     _require(isinstance(policy, Policy) and policy.name == "learned",
              f"policy must be the learned policy, got {getattr(policy, 'name', policy)!r}")
+    _require(isinstance(layers_axis, bool), f"layers_axis must be a bool, got {layers_axis!r}")
+    missing = [name for name in ("params", "opt", *_SNAPSHOT) if not isinstance(aux, dict) or name not in aux]
+    _require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
+    # snap_features is [L?, M?, B, K, S, F]: the axes say which policy and layout made it.
+    expected = 4 + (policy.p["snapshots"] > 1) + layers_axis
+    got = jnp.shape(aux["snap_features"])
+    _require(len(got) == expected and got[-1] == len(FEATURES),
+             f"aux['snap_features'] must have {expected} axes ending in {len(FEATURES)} features for "
+             f"snapshots={policy.p['snapshots']} and layers_axis={layers_axis}, got shape {list(got)}")
     # Protection does not change the step: one compile serves every budget.
     return _flush(policy.replace(sinks=0, recent=0, lag=0), aux, layers_axis)
 

@@ -292,6 +292,20 @@ def test_flush_labels_the_snapshots_in_flight_with_the_rest_of_the_stream():
         np.testing.assert_array_equal(a[2], b)  # no step where nothing was in flight
 
 
+def test_flush_rejects_state_it_cannot_label():
+    policy = E.learned(horizon=4, snapshots=2)
+    one_layer = policy.init_aux(policy, 1, 1, 8)
+    with pytest.raises(ValueError, match="policy must be the learned policy"):
+        E.flush(P.h2o(), one_layer)
+    with pytest.raises(ValueError, match="missing"):
+        E.flush(policy, {"params": one_layer["params"]}, layers_axis=False)
+    with pytest.raises(ValueError, match="snap_features.*snapshots=2 and layers_axis=True"):
+        E.flush(policy, one_layer)  # no layer axis
+    single = E.learned(horizon=4)
+    with pytest.raises(ValueError, match="snapshots=1"):
+        E.flush(single, one_layer, layers_axis=False)  # made with two snapshots in flight
+
+
 def test_snapshots_split_with_the_rows_when_sharded():
     from flsmem import sharding
 
