@@ -47,7 +47,15 @@ Features (each chosen because one baseline or the oracle's behaviour depends on 
 * log age and age relative to the stream's length (how long it has been useful);
 * log key and value norms at write time (key-norm eviction ranks by the first);
 * log position: the first items of a stream are attention sinks (StreamingLLM keeps
-  them whatever their age).
+  them whatever their age);
+* attention (as H2O sums it) and correctness-weighted relative attention received
+  after the item's first 16 queries: reads by the tokens right after an item are local
+  and come to every item, later reads are retrievals, the kind a reuse repeats;
+* what kind of head holds the slot (one network serves every layer and head, and they
+  need different rankings): the share of the head's attention that goes to items past
+  their first 16 queries, and how much larger that share is when the head's
+  prediction is right than when it is wrong (a retrieval head reads far items in order
+  to predict; a diffuse one spreads over them whatever it predicts).
 
 Labels are censored by eviction: only items still held when their snapshot is labelled
 get a label, so the estimator learns from what its policy kept.
@@ -88,8 +96,14 @@ __all__ = [
 ]
 
 # Evidence columns.
-_H2O, _RMM, _SUM, _UTILITY, _LAST, _MAX, _RECENT, _PRODUCER, _KEY_NORM, _VALUE_NORM = range(10)
-_NUM_EVIDENCE = 10
+(_H2O, _RMM, _SUM, _UTILITY, _LAST, _MAX, _RECENT, _PRODUCER, _KEY_NORM, _VALUE_NORM,
+ _FAR_ATTENTION, _FAR_UTILITY) = range(12)
+_NUM_EVIDENCE = 12
+# Reads of an item in its first _FAR_AGE queries are mostly local (the tokens right
+# after it read it, whatever it holds); later reads are retrievals. On the chain task
+# ranking by far reads alone keeps the pair a correct lookup read (0.54 at budget 1/4
+# against rmm's 0.31), where every-age sums drown it among prose read locally.
+_FAR_AGE = 16
 # The fast moving average of relative attention halves every query.
 _RECENT_DECAY = 0.5
 
@@ -109,6 +123,10 @@ FEATURES = (
     "log_key_norm",
     "log_value_norm",
     "log_position",
+    "log_far_attention",
+    "log_far_utility",
+    "log_head_far_mass",
+    "head_retrieval",
 )
 
 
@@ -135,14 +153,16 @@ def _graphdef(hidden: int):
     return nnx.split(nnx.eval_shape(lambda: ImportanceNet(hidden, rngs=nnx.Rngs(0))))[0]
 
 
-PRIORS = {"h2o": FEATURES.index("log_h2o_score"), "rmm": FEATURES.index("log_rmm_score")}
+PRIORS = {"h2o": FEATURES.index("log_h2o_score"), "rmm": FEATURES.index("log_rmm_score"),
+          "far": FEATURES.index("log_far_attention")}
 
 
 def init_params(hidden: int = 32, seed: int = 0, prior: str | None = None) -> PyTree:
     """Fresh parameters of an :class:`ImportanceNet`, as a plain dict of arrays.
 
-    With ``prior`` ("h2o" or "rmm") the network starts as that heuristic: its output is
-    the log of the heuristic's score (the linear part picks that feature, every other
+    With ``prior`` ("h2o", "rmm" or "far") the network starts as that heuristic: its
+    output is the log of the heuristic's score ("far": H2O's sum over the reads after an
+    item's first 16 queries only) (the linear part picks that feature, every other
     output weight is 0), so it ranks as the heuristic until it learns otherwise.
     """
     _require(isinstance(hidden, int) and hidden >= 1, f"hidden must be an int >= 1, got {hidden!r}")
@@ -171,11 +191,21 @@ def predict(params: PyTree, x: Float[Array, "*N F"]) -> Float[Array, "*N"]:
     return nnx.merge(_graphdef(_hidden_of(params)), params)(x)
 
 
-def features(evidence: Float[Array, "B K S E"], age, step, position) -> Float[Array, "B K S F"]:
+def features(evidence: Float[Array, "B K S E"], age, step, position, head: dict) -> Float[Array, "B K S F"]:
     """The :data:`FEATURES` of every slot from its evidence, ``age [B, K, S]``, the
-    row's ``step [B]`` (queries so far) and the items' ``position [B, K, S]``."""
+    row's ``step [B]`` (queries so far), the items' ``position [B, K, S]`` and what each
+    head has read so far (``head``: the ``head_*`` entries of the policy state)."""
     a = jnp.maximum(age, 1).astype(jnp.float32)
     steps = jnp.asarray(step, jnp.float32)[:, None, None] + 1.0
+    # What kind of head this is: how much of its attention goes to far items, and how much
+    # more of it when its prediction is right than when it is wrong (a retrieval head
+    # reads far items to predict; a diffuse head spreads over them whatever it predicts).
+    queries = jnp.maximum(head["head_queries"], 1.0)[:, None]
+    right = head["head_right"][:, None]
+    far_right = head["head_far_right"] / jnp.maximum(right, 1.0)
+    far_wrong = (head["head_far"] - head["head_far_right"]) / jnp.maximum(queries - right, 1.0)
+    head_columns = [jnp.log(1e-3 + head["head_far"] / queries), jnp.log((1e-3 + far_right) / (1e-3 + far_wrong))]
+    head_columns = [jnp.broadcast_to(c[..., None], a.shape) for c in head_columns]
 
     def log(x):
         return jnp.log1p(jnp.maximum(x, 0.0))
@@ -198,6 +228,9 @@ def features(evidence: Float[Array, "B K S E"], age, step, position) -> Float[Ar
         log(e[..., _KEY_NORM]),
         log(e[..., _VALUE_NORM]),
         log(position.astype(jnp.float32)),
+        jnp.log(1e-3 + jnp.maximum(e[..., _FAR_ATTENTION], 0.0)),
+        log(e[..., _FAR_UTILITY]),
+        *head_columns,
     ]
     return jnp.stack(columns, axis=-1)
 
@@ -268,7 +301,10 @@ def load(path) -> Weights:
         with ocp.StandardCheckpointer() as checkpointer:
             metadata = checkpointer.metadata(full)
             tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata
-            width = int(_leaf_shape(tree["inner"]["kernel"])[-1])
+            inputs, width = (int(n) for n in _leaf_shape(tree["inner"]["kernel"]))
+            if inputs != len(FEATURES):
+                raise ValueError(f"its network reads {inputs} features, this flsmem computes {len(FEATURES)} "
+                                 f"(FEATURES); retrain it with train/train_estimator.py")
             target = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), _shapes(width))
             params = checkpointer.restore(full, target)
         weights = Weights(jax.tree.map(np.asarray, params))
@@ -347,6 +383,12 @@ def _init_aux(policy, batch, kv_heads, slots):
         # Queries the snapshot has gathered: one taken at a stream's last step has none.
         "snap_queries": jnp.zeros(rows[:-2], jnp.int32),
         "last_weight": jnp.zeros((batch,), jnp.float32),
+        # What each head reads over the stream (see features): far attention mass summed
+        # over queries, the same over queries predicted right, and the query counts.
+        "head_far": jnp.zeros((batch, kv_heads), jnp.float32),
+        "head_far_right": jnp.zeros((batch, kv_heads), jnp.float32),
+        "head_right": jnp.zeros((batch,), jnp.float32),
+        "head_queries": jnp.zeros((batch,), jnp.float32),
         "loss": jnp.full((), jnp.nan, jnp.float32),
         "labels": jnp.zeros((), jnp.int32),
         "updates": jnp.zeros((), jnp.int32),
@@ -395,6 +437,7 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
     z = obs.attention * n
     w = obs.weight[:, None, None]
     arriving = view.age == 1
+    far = view.age > _FAR_AGE
     columns = [
         e[..., _H2O] + obs.attention,
         e[..., _RMM] + w * obs.attention,
@@ -407,6 +450,8 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
         jnp.where(arriving, aux["last_weight"][:, None, None], e[..., _PRODUCER]),
         e[..., _KEY_NORM],
         e[..., _VALUE_NORM],
+        e[..., _FAR_ATTENTION] + jnp.where(far, obs.attention, 0.0),
+        e[..., _FAR_UTILITY] + jnp.where(far, w * z, 0.0),
     ]
     evidence = jnp.where(view.present[..., None], jnp.stack(columns, axis=-1), e)
     # Every snapshot in flight gathers the utility each slot shows: its label to be.
@@ -422,7 +467,11 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
     kept = present & (snaps["snap_birth"] == view.birth[None])
     snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
     snaps["snap_queries"] = snaps["snap_queries"] + 1
-    aux = dict(aux, last_weight=obs.weight, **_stored(policy, snaps))
+    far_mass = jnp.sum(jnp.where(far & view.present, obs.attention, 0.0), axis=-1)  # [B, K]
+    aux = dict(aux, last_weight=obs.weight, head_far=aux["head_far"] + far_mass,
+               head_far_right=aux["head_far_right"] + obs.weight[:, None] * far_mass,
+               head_right=aux["head_right"] + obs.weight, head_queries=aux["head_queries"] + 1.0,
+               **_stored(policy, snaps))
     after = view.step + 1
     due = after % (policy.p["horizon"] // policy.p["snapshots"]) == 0
     if policy.p["online"]:
@@ -503,7 +552,7 @@ def _learn(policy, view: SlotView, evidence, due, aux):
     aux = _fit(policy, aux, due_now["snap_features"], due_now["gathered"], held)
     retake = (jnp.arange(m)[:, None] == index[None]) & due[None]  # [M, B]
     slots = retake[:, :, None, None]
-    now = features(evidence, view.age, view.step + 1, view.position)[None]
+    now = features(evidence, view.age, view.step + 1, view.position, aux)[None]
     snaps = dict(
         snap_features=jnp.where(slots[..., None], now, snaps["snap_features"]),
         gathered=jnp.where(slots, 0.0, snaps["gathered"]),
@@ -564,7 +613,7 @@ def _flush(policy, aux, layers_axis):
 
 
 def _score(policy, view: SlotView, aux):
-    return predict(aux["params"], features(view.evidence, view.age, view.step, view.position))
+    return predict(aux["params"], features(view.evidence, view.age, view.step, view.position, aux))
 
 
 def _score_rmm(policy, view: SlotView, aux):
@@ -615,7 +664,7 @@ def learned(
         total (how much was it used?).
       loss: "squared" error of the predicted label, or "ranking", a pairwise logistic
         loss on the order of each row's labels.
-      prior: a fresh network starts ranking as this heuristic ("h2o" or "rmm") and
+      prior: a fresh network starts ranking as this heuristic ("h2o", "rmm" or "far") and
         learns corrections (see :func:`init_params`); None starts from random.
       hidden: width of the network (ignored when ``weights`` are given).
       sinks, recent, lag: protection, as for every policy (0 decides at H = 0).

@@ -158,11 +158,66 @@ def test_weights_of_the_wrong_shape():
         E.learned(E.Weights(params))
 
 
-@pytest.mark.parametrize("prior, heuristic", [("h2o", P.h2o()), ("rmm", P.rmm(lag=0))])
-def test_a_fresh_network_with_a_prior_ranks_as_the_heuristic(prior, heuristic):
-    learned, _, _ = _stream(E.learned(prior=prior, online=False), budget=12)
-    reference, _, _ = _stream(heuristic, budget=12)
-    assert testing.kept_positions(learned) == testing.kept_positions(reference)
+def _far_reads(recent):
+    """H2O that counts only the reads after an item's first 16 queries (the "far" prior)."""
+
+    def fold(policy, view, obs, aux):
+        e = view.evidence[..., 0]
+        return jnp.where(view.present, e + jnp.where(view.age > 16, obs.attention, 0.0), e)[..., None], aux
+
+    return P.Policy(name="far_reads", score=lambda policy, view, aux: view.evidence[..., 0], fold=fold, recent=recent)
+
+
+@pytest.mark.parametrize("prior, heuristic, budget, recent", [
+    ("h2o", P.h2o(), 12, 0), ("rmm", P.rmm(lag=0), 12, 0),
+    # Items must outlive 16 queries to show far reads: a recent window keeps them that long.
+    ("far", _far_reads(recent=20), 32, 20),
+])
+def test_a_fresh_network_with_a_prior_ranks_as_the_heuristic(prior, heuristic, budget, recent):
+    learned, _, _ = _stream(E.learned(prior=prior, online=False, recent=recent), budget=budget)
+    reference, _, _ = _stream(heuristic, budget=budget)
+    kept = testing.kept_positions(learned)
+    assert kept == testing.kept_positions(reference)
+    if prior == "far":  # the far reads decided: the oldest kept items outlived the window
+        assert min(min(row) for rows in kept for row in rows) < STEPS - recent - 4
+
+
+def test_head_features_by_hand():
+    # Two heads over 4 queries, 2 of them predicted right. Head 0 put 4.0 of attention on
+    # far items in all, 3.0 of it in the right queries; head 1: 2.0, 0.5 of it right.
+    head = {"head_far": jnp.array([[4.0, 2.0]]), "head_far_right": jnp.array([[3.0, 0.5]]),
+            "head_right": jnp.array([2.0]), "head_queries": jnp.array([4.0])}
+    shape = (1, 2, 3)
+    x = E.features(jnp.zeros(shape + (E._NUM_EVIDENCE,)), jnp.ones(shape, jnp.int32), jnp.array([3]),
+                   jnp.ones(shape, jnp.int32), head)
+    mass = np.asarray(x[..., E.FEATURES.index("log_head_far_mass")])
+    retrieval = np.asarray(x[..., E.FEATURES.index("head_retrieval")])
+    # Mean far mass per query: 1.0 and 0.5; per right query 1.5 and 0.25, per wrong 0.5 and 0.75.
+    np.testing.assert_allclose(mass, np.log(1e-3 + np.array([1.0, 0.5]))[None, :, None].repeat(3, -1), rtol=1e-6, atol=1e-6)
+    expected = np.log((1e-3 + np.array([1.5, 0.25])) / (1e-3 + np.array([0.5, 0.75])))
+    np.testing.assert_allclose(retrieval, expected[None, :, None].repeat(3, -1), rtol=1e-6, atol=1e-6)
+
+
+def test_head_state_sums_far_attention():
+    # Every query attends to every item by the same fixed interest, so the far mass of a
+    # query is the attention on items older than 16 queries; weights alternate 1 and 0.
+    weights = np.tile([1.0, 0.0], STEPS // 2)
+    state, _, _ = _stream(E.learned(online=False), budget=STEPS, weights=weights)
+    aux = state.aux
+    np.testing.assert_array_equal(np.asarray(aux["head_queries"]), [STEPS, STEPS])
+    np.testing.assert_array_equal(np.asarray(aux["head_right"]), [STEPS // 2, STEPS // 2])
+    # Recompute the far mass of every query from the stream's attention.
+    interest = np.asarray(_interest(jax.random.key(0), 2, 2, STEPS))
+    far, far_right = np.zeros((2, 2)), np.zeros((2, 2))
+    for t in range(STEPS):
+        logits = interest[..., :t + 1]
+        attention = np.exp(logits - logits.max(-1, keepdims=True))
+        attention /= attention.sum(-1, keepdims=True)
+        mass = attention[..., :max(t - 15, 0)].sum(-1)  # items p with age t - p + 1 > 16
+        far += mass
+        far_right += weights[t] * mass
+    np.testing.assert_allclose(np.asarray(aux["head_far"]), far, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(aux["head_far_right"]), far_right, rtol=1e-4)
 
 
 def test_the_harness_variants_share_the_shipped_settings():

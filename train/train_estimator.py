@@ -248,7 +248,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="at the end of each batch's stream, label the snapshots in flight with what they gathered")
     p.add_argument("--label", default=d.label, choices=("peak", "sum"), help="label kind")
     p.add_argument("--loss", default=d.loss, choices=("squared", "ranking"), help="loss of the online step")
-    p.add_argument("--prior", default=None, choices=("h2o", "rmm"), help="start ranking as this heuristic")
+    p.add_argument("--prior", default=None, choices=tuple(E.PRIORS), help="start ranking as this heuristic")
     p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="Adam step size")
     p.add_argument("--hidden", type=int, default=d.hidden, help="network width")
     p.add_argument("--recent", type=float, default=d.recent, help="recent window, as a fraction of the budget")
