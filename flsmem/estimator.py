@@ -104,6 +104,8 @@ _NUM_EVIDENCE = 12
 # ranking by far reads alone keeps the pair a correct lookup read (0.54 at budget 1/4
 # against rmm's 0.31), where every-age sums drown it among prose read locally.
 _FAR_AGE = 16
+# Fixed-point resolution of the heads' far attention mass (see _fold).
+_FIXED = float(2**20)
 # The fast moving average of relative attention halves every query.
 _RECENT_DECAY = 0.5
 
@@ -200,12 +202,18 @@ def features(evidence: Float[Array, "B K S E"], age, step, position, head: dict)
     # What kind of head this is: how much of its attention goes to far items, and how much
     # more of it when its prediction is right than when it is wrong (a retrieval head
     # reads far items to predict; a diffuse head spreads over them whatever it predicts).
-    queries = jnp.maximum(head["head_queries"], 1.0)[:, None]
-    right = head["head_right"][:, None]
-    far_right = head["head_far_right"] / jnp.maximum(right, 1.0)
-    far_wrong = (head["head_far"] - head["head_far_right"]) / jnp.maximum(queries - right, 1.0)
-    head_columns = [jnp.log(1e-3 + head["head_far"] / queries), jnp.log((1e-3 + far_right) / (1e-3 + far_wrong))]
-    head_columns = [jnp.broadcast_to(c[..., None], a.shape) for c in head_columns]
+    # On the slots' shape like every other feature, and the ratio as a difference of two
+    # logs: XLA on CPU rounded log(x / y) differently in a memory split over devices than
+    # on one device, and a split memory must score as one device does.
+    def slots(x):
+        return jnp.broadcast_to(x[..., None], a.shape)
+
+    queries = slots(jnp.maximum(head["head_queries"], 1.0)[:, None])
+    right = slots(head["head_right"][:, None])
+    far, far_right = slots(head["head_far"]), slots(head["head_far_right"])
+    right_share = far_right / jnp.maximum(right, 1.0)
+    wrong_share = (far - far_right) / jnp.maximum(queries - right, 1.0)
+    head_columns = [jnp.log(1e-3 + far / queries), jnp.log(1e-3 + right_share) - jnp.log(1e-3 + wrong_share)]
 
     def log(x):
         return jnp.log1p(jnp.maximum(x, 0.0))
@@ -467,7 +475,11 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
     kept = present & (snaps["snap_birth"] == view.birth[None])
     snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
     snaps["snap_queries"] = snaps["snap_queries"] + 1
-    far_mass = jnp.sum(jnp.where(far & view.present, obs.attention, 0.0), axis=-1)  # [B, K]
+    # The head's far attention mass [B, K], summed in fixed point: an integer sum is exact
+    # in any order, so however XLA splits the reduction over devices it gives one
+    # device's result. Attention sums to 1 per query: the total stays far inside int32.
+    ticks = jnp.round(jnp.where(far & view.present, obs.attention, 0.0) * _FIXED).astype(jnp.int32)
+    far_mass = jnp.sum(ticks, axis=-1).astype(jnp.float32) / _FIXED
     aux = dict(aux, last_weight=obs.weight, head_far=aux["head_far"] + far_mass,
                head_far_right=aux["head_far_right"] + obs.weight[:, None] * far_mass,
                head_right=aux["head_right"] + obs.weight, head_queries=aux["head_queries"] + 1.0,

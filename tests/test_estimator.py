@@ -117,6 +117,16 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
         E.load(tmp_path / "missing")
 
 
+def test_checkpoint_of_another_feature_set_is_a_clear_error(tmp_path):
+    # A network trained when flsmem computed fewer features cannot score today's.
+    params = jax.tree.map(np.asarray, E.init_params(8))
+    params["inner"]["kernel"] = params["inner"]["kernel"][:15]
+    params["linear"]["kernel"] = params["linear"]["kernel"][:15]
+    E.save(tmp_path / "estimator", params)
+    with pytest.raises(ValueError, match=f"reads 15 features, this flsmem computes {len(E.FEATURES)}"):
+        E.load(tmp_path / "estimator")
+
+
 def test_carry_over_averages_layers():
     policy = E.learned(horizon=4)
     one = policy.init_aux(policy, 2, 3, 10)

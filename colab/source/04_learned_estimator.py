@@ -3,9 +3,10 @@
 #
 # The heuristics score a slot by a fixed rule. `flsmem.estimator` scores it with a small
 # `flax.nnx` network (`ImportanceNet`: a linear part plus two hidden layers) from cheap
-# per-slot features (the H2O and RMM scores, attention relative to uniform, age,
-# position, key and value norms, and the correctness of the prediction that produced the
-# item), and ranks by its prediction of the slot's **demonstrated utility over the next
+# per-slot features (the H2O and RMM scores, attention relative to uniform, the reads an
+# item gets after its first 16 queries, age, position, key and value norms, the
+# correctness of the prediction that produced the item, and what kind of head holds
+# it), and ranks by its prediction of the slot's **demonstrated utility over the next
 # `horizon` queries**.
 #
 # The label is free: `horizon` queries after a row snapshots its slots' features, the
@@ -69,13 +70,15 @@ print(shipped.name, "policy, online:", shipped.p["online"], "| horizon", shipped
 # evict; the scan also records `flsmem.summary`'s figures of the estimator (its last loss
 # and its number of updates) at every step.
 #
-# Two networks under the same policy (the shipped settings: horizon 64, learning online
-# at rate 1e-2, behind a recent window of 8 items), so they share one compiled program:
+# Two networks under the same policy (the shipped settings: a horizon of 256 queries
+# with 8 snapshots in flight, so labels mature every 32 queries; learning online at rate
+# 1e-2, behind a recent window of 8 items), so they share one compiled program:
 #
 # * **shipped**: the pretrained weights;
-# * **scratch**: a fresh network that starts ranking as H2O (`estimator.init_params` with
-#   `prior="h2o"`: its linear part reads the log H2O score, the rest is 0), put into the
-#   fresh memory's policy state in place of the pretrained weights.
+# * **scratch**: a fresh network that starts ranking as the shipped one's prior
+#   (`estimator.init_params` with `prior="far"`: its linear part reads the log of the
+#   attention an item got after its first 16 queries, the rest is 0), put into the fresh
+#   memory's policy state in place of the pretrained weights.
 #
 # `online=False` would freeze a network: no loss is computed and the parameters stay put.
 
@@ -110,7 +113,7 @@ def run_stream(memory):
 policy = estimator.from_checkpoint(CHECKPOINT, online=True, learning_rate=1e-2, recent=8)
 config = flsmem.MemoryConfig(policy=policy, budget=BUDGET, evict_every=8)
 shipped_start = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
-scratch_params = estimator.init_params(hidden=32, seed=0, prior="h2o")
+scratch_params = estimator.init_params(hidden=32, seed=0, prior=settings["prior"])
 scratch_start = shipped_start.replace(aux=shipped_start.aux | {"params": scratch_params})
 runs = {}
 for name, start in {"shipped": shipped_start, "scratch": scratch_start}.items():
@@ -134,10 +137,10 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The fresh network ranks as H2O from its first step, but its outputs are not
+# The fresh network ranks as its prior from its first step, but its outputs are not
 # calibrated to the label yet: compare its first losses with its last. All of it
 # happened inside one compiled `lax.scan`: the parameters and Adam state are part of the
-# carry, and each update is a `lax.cond` branch taken every `horizon` steps.
+# carry, and each update is a `lax.cond` branch taken every `horizon / snapshots` steps.
 #
 # ## Offline pretraining
 #
@@ -147,7 +150,9 @@ plt.show()
 # mature, and carries what it learned to the next batch (`estimator.carry_over`). It
 # writes orbax checkpoints in `workdir` (a killed run resumes from them) and, with
 # `out`, the final weights in the format `estimator.load` reads. Here: a few batches of
-# the controlled tasks with the task model, at a budget of 1/16 of the window.
+# the controlled tasks with the task model, at a budget of 1/16 of the window, with the
+# shipped settings (`flush=True` labels the snapshots still in flight when a window ends
+# with what they gathered up to its end, so every label reaches the end of the window).
 
 # %%
 scratch_dir = pathlib.Path(tempfile.mkdtemp(prefix="flsmem-estimator-"))
@@ -155,7 +160,7 @@ from train.train_estimator import EstimatorOptions, train
 
 options = EstimatorOptions(
     batches=SETTINGS["pretrain_batches"], sources=("tasks",), fractions=(1 / 16,), windows=SETTINGS["pretrain_windows"],
-    task_context=256, horizon=64, prior="h2o", learning_rate=1e-3,
+    task_context=256, horizon=256, snapshots=8, flush=True, prior="far", learning_rate=1e-2,
     workdir=str(scratch_dir / "work"), out=str(scratch_dir / "estimator"), progress=False,
 )
 begin = time.perf_counter()
@@ -175,9 +180,9 @@ assert same
 #
 # The *repeat* task (`models/tasks.py`) is endogenous reuse: at the end of each window
 # `=@` asks for the model's own earlier answer. Examples are cut from *Persuasion*, which
-# neither the model nor the estimator saw. All estimators run the same policy settings
-# as the pretraining (so the same compiled program); only their starting parameters
-# differ, passed as the memory's initial policy state (`aux`), exactly as pretraining
+# neither the model nor the estimator saw. All estimators run one policy (the shipped
+# settings, learning online at the serving rate 1e-4 of `flsmem learned`), so one
+# compiled program; only their starting parameters differ, passed as the memory's initial policy state (`aux`), exactly as pretraining
 # carries them from batch to batch. `h2o` and `rmm` with the same recent window are the
 # references.
 # The score is the accuracy of the answers after the gap.
@@ -192,10 +197,10 @@ task_model = load_tiny(TASKS_CHECKPOINT_DIR)[0]
 held_out = ByteTokenizer().encode(load_split("test"))
 examples = make_tasks("repeat", held_out, SETTINGS["eval_examples"], 256, seed=3)
 budget = 16  # 1/16 of the window, as in pretraining
-policy = estimator.learned(horizon=64, prior="h2o", learning_rate=1e-3).replace(recent=budget // 2)
+policy = estimator.learned(horizon=256, snapshots=8, prior="far", learning_rate=1e-4).replace(recent=budget // 2)
 fresh = estimator.carry_over(policy.init_aux(policy, 1, 1, 1), layers_axis=False)
 starts = {
-    "fresh (starts as h2o)": fresh,
+    "fresh (starts as far)": fresh,
     "pretrained here": pretrained,
     "shipped checkpoint": fresh | {"params": jax.tree.map(jnp.asarray, weights.params)},
 }
