@@ -28,9 +28,16 @@ from flax import nnx
 import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
-from flsmem import policies
+from flsmem import estimator, policies
+from harness.evaluate import ESTIMATOR_DIR
 
-POLICIES = {"rmm": lambda: policies.rmm(lag=16), "h2o": lambda: policies.h2o(recent=16)}
+POLICIES = {
+    "rmm": lambda: policies.rmm(lag=16),
+    "h2o": lambda: policies.h2o(recent=16),
+    # The shipped estimator, learning while it serves (as `learned` in results/LEARNED.md).
+    "learned": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=True, learning_rate=1e-4, recent=16),
+}
+DEFAULT_POLICIES = ["rmm", "h2o"]
 BUDGET = {"tiny": 256, "smollm2": 512}
 
 
@@ -38,7 +45,7 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=common.choices(("tiny", "smollm2")), default=["tiny", "smollm2"])
     parser.add_argument("--batch", type=common.positive_ints, default=[1, 8], help="batch sizes, e.g. 1,8")
-    parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=list(POLICIES))
+    parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=DEFAULT_POLICIES)
     parser.add_argument("--evict-every", type=common.positive_ints, default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     parser.add_argument("--rounds", type=int, default=9, help="rounds of back-to-back pairs; the median is reported")

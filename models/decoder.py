@@ -314,9 +314,16 @@ def update_memories(memories, attention, correctness=None, future=None):
     # which would otherwise copy every layer's cache once more per step.
     payload = memories.payload
     memories = memories.replace(payload=None)
-    if jnp.ndim(attention) == 4:  # one query: [L, B, K, S]
+    rows = _state_is_per_row(memories)
+    if jnp.ndim(attention) == 4 and rows:  # one query: [L, B, K, S]
         memories = _update_one_query(memories, attention, correctness, future)
-    elif jnp.shape(attention)[3] == 1 and (correctness is None or jnp.ndim(correctness) == 2):
+    elif jnp.ndim(attention) == 4:
+        # A policy state shared by a layer's rows (the learned estimator's network) cannot
+        # be folded into rows: one query per layer, as a chunk of one.
+        expand = lambda x: None if x is None else x[:, :, :, None]  # noqa: E731
+        return update_memories(memories.replace(payload=payload), expand(attention),
+                               None if correctness is None else jnp.reshape(correctness, (-1, 1)), expand(future))
+    elif jnp.shape(attention)[3] == 1 and (correctness is None or jnp.ndim(correctness) == 2) and rows:
         squeeze = lambda x: None if x is None else x[:, :, :, 0]  # noqa: E731
         memories = _update_one_query(memories, squeeze(attention),
                                      None if correctness is None else correctness[:, 0], squeeze(future))
@@ -326,6 +333,20 @@ def update_memories(memories, attention, correctness=None, future=None):
         memories = jax.lax.map(lambda xs: flsmem.update(xs[0], xs[1], correctness, xs[2]),
                                (memories, attention, future))
     return memories.replace(payload=payload)
+
+
+def _state_is_per_row(memories) -> bool:
+    """Whether every entry of the policy state has one row per sequence (axis 1 after
+    the layers), so the L layers of B sequences can be updated as L * B rows. Asked of
+    the policy by the shapes of its state for two batch sizes, as sharding does: a
+    shared entry (the learned estimator's network) keeps its shape."""
+    policy = memories.config.policy
+    if policy.init_aux is None:
+        return True
+    _, batch, kv_heads, slots = memories.valid.shape
+    shapes = [jax.eval_shape(lambda b=b: policy.init_aux(policy, b, kv_heads, slots)) for b in (batch, batch + 1)]
+    return all(x.shape[:1] == (batch,) and y.shape[:1] == (batch + 1,)
+               for x, y in zip(jax.tree.leaves(shapes[0]), jax.tree.leaves(shapes[1])))
 
 
 def _update_one_query(memories, attention, correctness, future):

@@ -56,6 +56,19 @@ def test_per_token_decode_matches_chunked_prefill():
     assert not np.allclose(chunked, plain_logits(PARAMS, TOKENS), atol=1e-3)
 
 
+def test_per_token_decode_with_a_shared_policy_state():
+    # The learned estimator's network is shared by a layer's rows, so per-token decode
+    # cannot fold layers into rows; it updates layer by layer and matches the chunks.
+    from flsmem import estimator
+
+    policy = estimator.learned(horizon=8, snapshots=2, hidden=4, learning_rate=1e-2).replace(recent=4)
+    config = flsmem.MemoryConfig(policy=policy, budget=16, evict_every=8, max_chunk=8)
+    chunked = stream_logits(PARAMS, TOKENS, config, 8)
+    per_token = stream_logits(PARAMS, TOKENS, config.replace(max_chunk=1), 1)
+    np.testing.assert_allclose(per_token, chunked, atol=ATOL)
+    assert not np.allclose(chunked, plain_logits(PARAMS, TOKENS), atol=1e-3)
+
+
 def test_window_policy_is_sliding_window_attention():
     # Evicting one item per step to a budget of 12: query t sees positions t-12 .. t.
     config = flsmem.MemoryConfig(policy=P.window(), budget=12)
