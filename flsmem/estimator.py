@@ -707,7 +707,8 @@ def learned(
     return Policy(
         name="learned", score=_score, fold=_fold, init_evidence=_init_evidence, init_aux=_init_aux,
         fallback_score=_score_rmm, monitor=_monitor, num_evidence=_NUM_EVIDENCE,
-        sinks=sinks, recent=recent, lag=lag,
+        # The network costs more per slot than the fold: score only when evicting.
+        score_when_due=True, sinks=sinks, recent=recent, lag=lag,
         params=(("weights", weights), ("online", online), ("learning_rate", float(learning_rate)),
                 ("horizon", horizon), ("snapshots", snapshots), ("label", label), ("loss", loss), ("prior", prior),
                 ("hidden", hidden), ("seed", seed)),

@@ -160,6 +160,13 @@ class Policy:
         of a KV group: "mean", "sum" or "max".
       needs_future: ``observe`` must be given ``future`` (the oracle).
       evicts: False for the full cache, which never evicts.
+      score_when_due: :func:`flsmem.update` commits scores only at the steps an
+        eviction is due, the only steps that read them, instead of at every query: for
+        a score that costs more than folding the evidence (the learned network). The
+        kept sets are the same (a score depends on the state of its step only);
+        ``state.score`` then holds the scores of the last eviction, ``stats.fallbacks``
+        counts the non-finite scores of those steps, and :func:`flsmem.smooth` still
+        commits fresh scores whenever called.
     """
 
     name: str
@@ -178,6 +185,7 @@ class Policy:
     head_reduction: str = "mean"
     needs_future: bool = False
     evicts: bool = True
+    score_when_due: bool = False
 
     def __post_init__(self):
         _check_nonneg_int("sinks", self.sinks)
@@ -194,6 +202,10 @@ class Policy:
         _require(
             isinstance(self.normalise_by_age, bool),
             f"normalise_by_age must be a bool, got {self.normalise_by_age!r}",
+        )
+        _require(
+            isinstance(self.score_when_due, bool),
+            f"score_when_due must be a bool, got {self.score_when_due!r}",
         )
         object.__setattr__(self, "params", tuple(sorted(self.params)))
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
+
 from flsmem import validate
-from flsmem.evict import evict
+from flsmem.evict import evict, is_due
 from flsmem.observe import observe_one, scan_queries
 from flsmem.smooth import smooth
 from flsmem.state import MemoryState
@@ -13,7 +16,10 @@ __all__ = ["update"]
 
 
 def _step(state, attention, correctness, future):
-    return evict(smooth(observe_one(state, attention, correctness, future)))
+    state = observe_one(state, attention, correctness, future)
+    if state.config.policy.score_when_due:
+        return lax.cond(jnp.any(is_due(state)), lambda s: evict(smooth(s)), lambda s: s, state)
+    return evict(smooth(state))
 
 
 def update(
@@ -38,7 +44,8 @@ def update(
         oracle policy, ignored by the others.
 
     Returns:
-      The memory after the Q queries: evidence folded, scores committed, rows holding
+      The memory after the Q queries: evidence folded, scores committed (for a policy
+      with ``score_when_due``, at the steps an eviction was due only), rows holding
       ``budget + evict_every`` present items evicted back to ``budget``, the clock
       advanced by Q.
     """

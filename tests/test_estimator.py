@@ -80,10 +80,29 @@ def test_nonfinite_score_falls_back_to_rmm_and_is_counted():
     learned, _, _ = _stream(E.learned(_nan_weights(), online=False), budget=budget)
     rmm, _, _ = _stream(P.rmm(lag=0), budget=budget)
     assert testing.kept_positions(learned) == testing.kept_positions(rmm)
-    # Every present slot of every smooth was scored NaN: one per item and step it was held.
+    # The network scores only when an eviction is due (score_when_due), and then every
+    # present slot was NaN: budget + evict_every per head, at steps that each evict
+    # evict_every items per head.
     fallbacks = np.asarray(learned.stats.fallbacks)
-    assert np.all(fallbacks > STEPS)
+    due_steps = np.asarray(learned.stats.evictions) // (2 * 4)  # kv_heads * evict_every
+    assert np.all(due_steps > 0)
+    np.testing.assert_array_equal(fallbacks, due_steps * 2 * (budget + 4))
     assert np.all(np.asarray(rmm.stats.fallbacks) == 0)
+
+
+def test_scoring_only_when_evicting_keeps_what_scoring_every_query_keeps():
+    # The network runs only at the steps an eviction is due; every query's scores gave
+    # the same kept sets and the same learning, at 4x the scoring.
+    policy = E.learned(horizon=8, learning_rate=1e-2)
+    assert policy.score_when_due
+    lazy, lazy_losses, _ = _stream(policy, budget=12)
+    eager, eager_losses, _ = _stream(policy.replace(score_when_due=False), budget=12)
+    assert testing.kept_positions(lazy) == testing.kept_positions(eager)
+    np.testing.assert_array_equal(lazy_losses, eager_losses)
+    assert int(lazy.stats.evictions.sum()) > 0
+    # The committed scores are those of the last eviction (STEPS is a multiple of 4, so
+    # the last step evicted): the same as scoring at every query.
+    np.testing.assert_array_equal(np.asarray(lazy.score), np.asarray(eager.score))
 
 
 def test_nonfinite_update_is_skipped_and_counted():
