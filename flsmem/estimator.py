@@ -462,19 +462,6 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
         e[..., _FAR_UTILITY] + jnp.where(far, w * z, 0.0),
     ]
     evidence = jnp.where(view.present[..., None], jnp.stack(columns, axis=-1), e)
-    # Every snapshot in flight gathers the utility each slot shows: its label to be.
-    snaps = _in_flight(policy, aux)
-    shown = (w * z)[None]
-    present = view.present[None]
-    gathered = snaps["gathered"]
-    gathered = jnp.maximum(gathered, shown) if policy.p["label"] == "peak" else gathered + shown
-    snaps["gathered"] = jnp.where(present, gathered, snaps["gathered"])
-    # A slot that loses its item never holds it again (a later item has a later birth),
-    # so the snapshot forgets it now: the aux alone then tells which slots to label,
-    # as the flush at a stream's end needs.
-    kept = present & (snaps["snap_birth"] == view.birth[None])
-    snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
-    snaps["snap_queries"] = snaps["snap_queries"] + 1
     # The head's far attention mass [B, K], summed in fixed point: an integer sum is exact
     # in any order, so however XLA splits the reduction over devices it gives one
     # device's result. Attention sums to 1 per query: the total stays far inside int32.
@@ -482,11 +469,23 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
     far_mass = jnp.sum(ticks, axis=-1).astype(jnp.float32) / _FIXED
     aux = dict(aux, last_weight=obs.weight, head_far=aux["head_far"] + far_mass,
                head_far_right=aux["head_far_right"] + obs.weight[:, None] * far_mass,
-               head_right=aux["head_right"] + obs.weight, head_queries=aux["head_queries"] + 1.0,
-               **_stored(policy, snaps))
-    after = view.step + 1
-    due = after % (policy.p["horizon"] // policy.p["snapshots"]) == 0
-    if policy.p["online"]:
+               head_right=aux["head_right"] + obs.weight, head_queries=aux["head_queries"] + 1.0)
+    if policy.p["online"]:  # a frozen network takes no snapshots: no upkeep, no branch
+        # Every snapshot in flight gathers the utility each slot shows: its label to be.
+        snaps = _in_flight(policy, aux)
+        shown = (w * z)[None]
+        present = view.present[None]
+        gathered = snaps["gathered"]
+        gathered = jnp.maximum(gathered, shown) if policy.p["label"] == "peak" else gathered + shown
+        snaps["gathered"] = jnp.where(present, gathered, snaps["gathered"])
+        # A slot that loses its item never holds it again (a later item has a later birth),
+        # so the snapshot forgets it now: the aux alone then tells which slots to label,
+        # as the flush at a stream's end needs.
+        kept = present & (snaps["snap_birth"] == view.birth[None])
+        snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
+        snaps["snap_queries"] = snaps["snap_queries"] + 1
+        aux = dict(aux, **_stored(policy, snaps))
+        due = (view.step + 1) % (policy.p["horizon"] // policy.p["snapshots"]) == 0
         aux = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due),
                        lambda aux: aux, aux)
     return evidence, aux

@@ -329,9 +329,14 @@ def update_memories(memories, attention, correctness=None, future=None):
                                      None if correctness is None else correctness[:, 0], squeeze(future))
     else:
         # A chunk: query by query in every layer. A loop over layers (not vmap) keeps
-        # each layer's eviction a real branch.
-        memories = jax.lax.map(lambda xs: flsmem.update(xs[0], xs[1], correctness, xs[2]),
-                               (memories, attention, future))
+        # each layer's eviction a real branch; each layer's memory is written back in
+        # place (lax.map would stack a fresh copy of every layer's state at every step).
+        def layer(i, memories):
+            at = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+            one = flsmem.update(jax.tree.map(at, memories), at(attention), correctness, at(future))
+            return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), memories, one)
+
+        memories = jax.lax.fori_loop(0, attention.shape[0], layer, memories)
     return memories.replace(payload=payload)
 
 
