@@ -87,6 +87,7 @@ __all__ = [
     "features",
     "flush",
     "from_checkpoint",
+    "guided",
     "init_params",
     "learned",
     "load",
@@ -712,6 +713,73 @@ def learned(
                 ("horizon", horizon), ("snapshots", snapshots), ("label", label), ("loss", loss), ("prior", prior),
                 ("hidden", hidden), ("seed", seed)),
     )
+
+
+def guided(learner: Policy, behaviour: Policy) -> Policy:
+    """``learner`` gathering its evidence and learning as it would, in a memory whose
+    kept set ``behaviour`` decides (off-policy pretraining).
+
+    A learner labels only the items its memory still holds, so on its own it learns
+    about what it already keeps: an item it evicts before anything reads it is never
+    labelled, and at a small budget it never learns to keep it. Run behind the oracle
+    (``behaviour=oracle()``), which keeps what later queries will read, the labels
+    cover the items a good memory holds. Protection (``sinks``, ``recent``, ``lag``)
+    is the returned policy's own; ``flush`` takes ``learner``.
+
+    Args:
+      learner: the :func:`learned` policy.
+      behaviour: a policy without state of its own (``init_aux`` None), such as the
+        oracle; it ranks the slots for eviction.
+    """
+    _require(isinstance(learner, Policy) and learner.name == "learned",
+             f"learner must be the learned policy, got {getattr(learner, 'name', learner)!r}")
+    _require(isinstance(behaviour, Policy) and behaviour.init_aux is None and behaviour.evicts,
+             f"behaviour must be a policy that evicts and keeps no state of its own, "
+             f"got {getattr(behaviour, 'name', behaviour)!r}")
+    return Policy(
+        name=f"{learner.name}@{behaviour.name}", score=_guided_score, fold=_guided_fold,
+        init_evidence=_guided_init_evidence, init_aux=_guided_init_aux, monitor=_guided_monitor,
+        num_evidence=learner.num_evidence + behaviour.num_evidence, normalise_by_age=behaviour.normalise_by_age,
+        needs_future=behaviour.needs_future, sinks=learner.sinks, recent=learner.recent, lag=learner.lag,
+        params=(("behaviour", behaviour), ("learner", learner)),
+    )
+
+
+# The guided policy's parts: module functions, so that equal learners and behaviours give
+# equal policies (one compile), each part handing its own evidence to its own policy.
+def _guided_views(policy, view):
+    width = policy.p["learner"].num_evidence
+    return view._replace(evidence=view.evidence[..., :width]), view._replace(evidence=view.evidence[..., width:])
+
+
+def _guided_score(policy, view, aux):
+    behaviour = policy.p["behaviour"]
+    return behaviour.score(behaviour, _guided_views(policy, view)[1], None)
+
+
+def _guided_fold(policy, view, obs, aux):
+    learner, behaviour = policy.p["learner"], policy.p["behaviour"]
+    mine, theirs = _guided_views(policy, view)
+    evidence, aux = learner.fold(learner, mine, obs, aux)
+    if behaviour.fold is not None:
+        theirs = theirs._replace(evidence=behaviour.fold(behaviour, theirs, obs, None)[0])
+    return jnp.concatenate([evidence, theirs.evidence], axis=-1), aux
+
+
+def _guided_init_evidence(policy, payload, position, birth):
+    learner, behaviour = policy.p["learner"], policy.p["behaviour"]
+    mine = learner.init_evidence(learner, payload, position, birth)
+    theirs = (jnp.zeros(position.shape + (behaviour.num_evidence,), jnp.float32) if behaviour.init_evidence is None
+              else behaviour.init_evidence(behaviour, payload, position, birth))
+    return jnp.concatenate([mine, theirs], axis=-1)
+
+
+def _guided_init_aux(policy, batch, kv_heads, slots):
+    return policy.p["learner"].init_aux(policy.p["learner"], batch, kv_heads, slots)
+
+
+def _guided_monitor(policy, aux):
+    return policy.p["learner"].monitor(policy.p["learner"], aux)
 
 
 def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, fresh: bool = False,

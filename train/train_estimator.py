@@ -41,6 +41,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from flsmem import estimator as E
+from flsmem import policies as P
 from train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
@@ -62,6 +63,9 @@ class EstimatorOptions:
         (see :func:`flsmem.estimator.learned`).
       flush: after each batch's stream, label the snapshots still in flight and take
         one step on them (:func:`flsmem.estimator.flush`).
+      guide: "oracle" runs the memories behind the oracle (it decides what is kept; the
+        estimator gathers and learns as it would, :func:`flsmem.estimator.guided`), so
+        the labels cover what a good memory holds; None lets the estimator decide.
       recent: the recent window, as a fraction of the budget (the harness gives the
         learned policy half the budget, as it gives h2o and rmm).
       windows: windows per batch (tiny models); SmolLM2 streams a quarter as many.
@@ -78,6 +82,7 @@ class EstimatorOptions:
     horizon: int = 32
     snapshots: int = 1
     flush: bool = False
+    guide: str | None = None
     label: str = "peak"
     loss: str = "squared"
     prior: str | None = None
@@ -110,6 +115,8 @@ class EstimatorOptions:
         for name in ("task_context", "text_context"):
             if getattr(self, name) < CHUNK or getattr(self, name) % CHUNK:
                 raise ValueError(f"{name} must be a positive multiple of {CHUNK}, got {getattr(self, name)}")
+        if self.guide not in (None, "oracle"):
+            raise ValueError(f"guide must be None or 'oracle', got {self.guide!r}")
         if not isinstance(self.flush, bool):
             raise ValueError(f"flush must be a bool, got {self.flush!r}")
         if self.out is not None and Path(self.out).exists():
@@ -173,7 +180,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     checkpoint there and returns early (without ``--out``), so a job told to stop
     (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
     last checkpoint, at most ``save_every`` batches back."""
-    from harness.evaluate import evaluate_windows
+    from harness.evaluate import evaluate_windows, future_attention
 
     policy = E.learned(horizon=options.horizon, snapshots=options.snapshots, label=options.label,
                        loss=options.loss, prior=options.prior, learning_rate=options.learning_rate,
@@ -201,7 +208,12 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
             windows = source.draw(np.random.default_rng([options.seed, batch]))
             budget = max(CHUNK, int(round(float(Fraction(fraction).limit_denominator(64)) * source.context)))
             protected = policy.replace(recent=int(options.recent * budget))
-            _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned)
+            futures = None
+            if options.guide == "oracle":
+                protected = E.guided(protected, P.oracle())
+                futures = future_attention(source.model, windows, CHUNK)
+            _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned,
+                                           futures=futures)
             aux = E.flush(policy, stats["aux"]) if options.flush else stats["aux"]
             learned = E.carry_over(aux)
             loss = float(learned["loss"])
@@ -246,6 +258,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="snapshots in flight per row: one every horizon/snapshots queries, each labelled horizon later")
     p.add_argument("--flush", action="store_true",
                    help="at the end of each batch's stream, label the snapshots in flight with what they gathered")
+    p.add_argument("--guide", default=None, choices=("oracle",),
+                   help="run the memories behind this policy (off-policy labels)")
     p.add_argument("--label", default=d.label, choices=("peak", "sum"), help="label kind")
     p.add_argument("--loss", default=d.loss, choices=("squared", "ranking"), help="loss of the online step")
     p.add_argument("--prior", default=None, choices=tuple(E.PRIORS), help="start ranking as this heuristic")
