@@ -405,3 +405,49 @@ def test_from_checkpoint_reads_snapshots_and_defaults_to_one(tmp_path):
     E.save(tmp_path / "one", E.init_params(8), {"horizon": 8})
     assert E.from_checkpoint(tmp_path / "many").p["snapshots"] == 4
     assert E.from_checkpoint(tmp_path / "one").p["snapshots"] == 1
+
+
+def _table_stream(policy, budget, steps=48, batch=2, kv_heads=2):
+    """``steps`` write+update steps where every query attends by fixed item interests,
+    with the future attention the oracle reads; returns the final state."""
+    logits = _interest(jax.random.key(5), batch, kv_heads, steps)[:, :, None, :]
+    causal = jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None]
+    table = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)  # [B, K, T, T]
+    future = testing.future_table(table)
+    config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=4)
+    state = testing.tiny_memory(config, batch=batch, kv_heads=kv_heads)
+
+    @jax.jit
+    def step(state, t):
+        kv = jnp.zeros((batch, kv_heads, 1, testing.HEAD_DIM))
+        state = flsmem.write(state, {"k": kv, "v": kv}, jnp.full((batch, 1), t, jnp.int32))
+        at = testing.gather_attention(table, state)[:, :, 0]
+        return flsmem.update(state, at, future=testing.gather_attention(future, state)[:, :, 0])
+
+    for t in range(steps):
+        state = step(state, jnp.int32(t))
+    return state
+
+
+def test_guided_keeps_what_the_behaviour_keeps_and_learns_as_alone():
+    learner = E.learned(horizon=8, learning_rate=1e-2)
+    guided = E.guided(learner, P.oracle())
+    assert guided == E.guided(E.learned(horizon=8, learning_rate=1e-2), P.oracle())  # one compile per setting
+    # At a small budget the oracle decides what stays; the learner still labels and learns.
+    behind, oracle = _table_stream(guided, budget=12), _table_stream(P.oracle(), budget=12)
+    assert testing.kept_positions(behind) == testing.kept_positions(oracle)
+    assert int(behind.aux["labels"]) > 0 and int(behind.aux["updates"]) > 0
+    # With nothing evicted the learner's evidence and learning are its own, bit for bit.
+    alone, behind = _table_stream(learner, budget=48), _table_stream(guided, budget=48)
+    np.testing.assert_array_equal(np.asarray(behind.evidence[..., :learner.num_evidence]), np.asarray(alone.evidence))
+    for a, b in zip(jax.tree.leaves(alone.aux), jax.tree.leaves(behind.aux)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_guided_arguments_are_checked():
+    with pytest.raises(ValueError, match="learner must be the learned policy"):
+        E.guided(P.h2o(), P.oracle())
+    with pytest.raises(ValueError, match="behaviour must be a policy that evicts and keeps no state"):
+        E.guided(E.learned(), P.kalman(adaptive=True))
+    with pytest.raises(ValueError, match="behaviour must be a policy that evicts"):
+        E.guided(E.learned(), P.full())

@@ -46,6 +46,7 @@ def test_resume_refuses_other_settings(tmp_path):
         ({"label": "mean"}, "label"),
         ({"snapshots": 3}, "snapshots"),
         ({"flush": 1}, "flush"),
+        ({"guide": "h2o"}, "guide"),
     ],
 )
 def test_bad_options(tmp_path, changes, match):
@@ -64,6 +65,14 @@ def test_snapshots_and_flush_label_to_the_end_of_the_stream(tmp_path):
     args = T._parser().parse_args(["--horizon", "256", "--snapshots", "8", "--flush"])
     assert (args.horizon, args.snapshots, args.flush) == (256, 8, True)
     assert not T._parser().parse_args([]).flush
+
+
+def test_guided_pretraining_learns_behind_the_oracle(tmp_path):
+    # The oracle keeps what the task's later queries read; the estimator still learns.
+    learned = T.train(_options(tmp_path, batches=1, fractions=(1 / 8,), guide="oracle"))
+    assert int(learned["updates"]) > 0 and int(learned["labels"]) > 0 and np.isfinite(float(learned["loss"]))
+    assert T._parser().parse_args(["--guide", "oracle"]).guide == "oracle"
+    assert T._parser().parse_args([]).guide is None
 
 
 def _row(setting, policy, fraction, value, metric="accuracy", per_seed=None):
