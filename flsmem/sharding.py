@@ -40,8 +40,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flsmem import validate
-from flsmem.state import MemoryState
-from flsmem.typing import PyTree
+from flsmem.state import MemoryState, aux_axes
 from flsmem.update import update as _update
 
 __all__ = ["make_mesh", "partition_specs", "shardings", "shard", "constrain", "row_sharding", "shard_map_update"]
@@ -51,30 +50,6 @@ _NOT_ROW_LOCAL = {
     "learned": "it trains one network on the slots of every row",
     "random": "its scores hash the global row index",
 }
-
-
-def _aux_specs(state: MemoryState, batch_axis, head_axis) -> PyTree:
-    """Specs of the policy's own state: which axes of each leaf are batch rows or KV
-    heads is found by asking ``init_aux`` for a memory of another size and seeing which
-    axes grow (parameters shared by all rows do not, and stay replicated)."""
-    if state.aux is None:
-        return None
-    policy = state.config.policy
-    b, k, s = state.valid.shape
-    grown = jax.eval_shape(lambda: policy.init_aux(policy, b + 1, k + 2, s))
-
-    def spec(leaf, other):
-        axes = []
-        for n, m in zip(leaf.shape, other.shape):
-            if (n, m) == (b, b + 1) and batch_axis not in axes:
-                axes.append(batch_axis)
-            elif (n, m) == (k, k + 2) and head_axis not in axes:
-                axes.append(head_axis)
-            else:
-                axes.append(None)
-        return PartitionSpec(*axes)
-
-    return jax.tree.map(spec, state.aux, grown)
 
 
 def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_axis: str | None = "heads") -> MemoryState:
@@ -90,7 +65,7 @@ def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_a
         payload=jax.tree.map(lambda _: rows, state.payload),
         position=rows, valid=rows, birth=rows, evidence=rows, score=rows,
         step=batch,
-        aux=_aux_specs(state, batch_axis, head_axis),
+        aux=aux_axes(state, batch_axis, head_axis),
         stats=state.stats.replace(**{
             field.name: rows if field.name in state.stats.PER_HEAD else batch
             for field in dataclasses.fields(state.stats)

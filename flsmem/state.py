@@ -12,7 +12,7 @@ from flsmem import validate
 from flsmem.config import MemoryConfig
 from flsmem.typing import Array, Bool, Float, Int, PyTree
 
-__all__ = ["MemoryState", "MemoryStats", "init", "present", "visible", "age", "occupancy", "summary"]
+__all__ = ["MemoryState", "MemoryStats", "init", "present", "visible", "age", "occupancy", "summary", "aux_axes"]
 
 
 @struct.dataclass
@@ -231,3 +231,34 @@ def summary(state: MemoryState) -> dict[str, Array]:
         "forced_writes": s.forced_writes,
         "nonfinite_inputs": s.nonfinite_inputs,
     }
+
+
+def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "heads") -> PyTree:
+    """Which axes of each leaf of the policy's own state (``state.aux``) are batch rows
+    and which are KV heads, as a ``PartitionSpec`` per leaf: ``batch_axis`` and
+    ``head_axis`` where they are, None elsewhere. Found by asking ``init_aux`` for a
+    memory of another size and seeing which axes grow; an entry shared by every row
+    (the learned estimator's parameters) grows on none. None when the policy keeps no
+    state. Sharding splits the state by it; the decoder folds layers into rows only
+    when every entry is per row."""
+    from jax.sharding import PartitionSpec
+
+    if state.aux is None:
+        return None
+    policy = state.config.policy
+    b, k, s = state.valid.shape[-3:]
+    grown = jax.eval_shape(lambda: policy.init_aux(policy, b + 1, k + 2, s))
+
+    def spec(leaf, other):
+        axes = []
+        for n, m in zip(jnp.shape(leaf)[jnp.ndim(leaf) - other.ndim:], other.shape):
+            if (n, m) == (b, b + 1) and batch_axis not in axes:
+                axes.append(batch_axis)
+            elif (n, m) == (k, k + 2) and head_axis not in axes:
+                axes.append(head_axis)
+            else:
+                axes.append(None)
+        return PartitionSpec(*axes)
+
+    return jax.tree.map(spec, state.aux, grown)
+

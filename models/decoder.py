@@ -342,16 +342,10 @@ def update_memories(memories, attention, correctness=None, future=None):
 
 def _state_is_per_row(memories) -> bool:
     """Whether every entry of the policy state has one row per sequence (axis 1 after
-    the layers), so the L layers of B sequences can be updated as L * B rows. Asked of
-    the policy by the shapes of its state for two batch sizes, as sharding does: a
-    shared entry (the learned estimator's network) keeps its shape."""
-    policy = memories.config.policy
-    if policy.init_aux is None:
-        return True
-    _, batch, kv_heads, slots = memories.valid.shape
-    shapes = [jax.eval_shape(lambda b=b: policy.init_aux(policy, b, kv_heads, slots)) for b in (batch, batch + 1)]
-    return all(x.shape[:1] == (batch,) and y.shape[:1] == (batch + 1,)
-               for x, y in zip(jax.tree.leaves(shapes[0]), jax.tree.leaves(shapes[1])))
+    the layers), so the L layers of B sequences can be updated as L * B rows; a shared
+    entry (the learned estimator's network) cannot be folded."""
+    specs = flsmem.state.aux_axes(memories)
+    return specs is None or all(len(spec) and spec[0] == "batch" for spec in jax.tree.leaves(specs))
 
 
 def _update_one_query(memories, attention, correctness, future):

@@ -63,6 +63,9 @@ def test_partition_specs_follow_rows_and_replicate_shared_state():
     assert specs.aux["last_weight"] == PartitionSpec("batch")
     assert specs.aux["params"]["inner"]["kernel"] == PartitionSpec(None, None)
     assert specs.aux["loss"] == PartitionSpec()
+    # Memories stacked over layers (as the decoder holds them) give each layer's axes.
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), state)
+    assert flsmem.state.aux_axes(stacked)["snap_features"] == PartitionSpec("batch", "heads", None, None)
     kalman = flsmem.init(flsmem.MemoryConfig(P.kalman(adaptive=True), budget=4), 3, 2, {"k": (D,)})
     assert sharding.partition_specs(kalman, head_axis=None).aux == PartitionSpec("batch", None, None)
 
