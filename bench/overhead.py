@@ -36,6 +36,8 @@ POLICIES = {
     "h2o": lambda: policies.h2o(recent=16),
     # The shipped estimator, learning while it serves (as `learned` in results/LEARNED.md).
     "learned": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=True, learning_rate=1e-4, recent=16),
+    # The same network frozen: no snapshots to keep up, no learning branch.
+    "learned_offline": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=False, recent=16),
 }
 DEFAULT_POLICIES = ["rmm", "h2o"]
 BUDGET = {"tiny": 256, "smollm2": 512}
