@@ -220,10 +220,10 @@ for name, (accuracy, updates) in scores.items():
 # %% [markdown]
 # Sixteen examples make a rough measurement, and a few batches are a demonstration of
 # pretraining, not a pretraining: the shipped checkpoint saw 72 batches of tasks and
-# prose from three models (about 10 minutes on one CPU core). `results/LEARNED.md` has
+# prose from three models (about 8 minutes on one CPU core). `results/LEARNED.md` has
 # the full comparison (`flsmem learned`, all four tasks and prose, three seeds): at H = 0
-# the pretrained estimator beats `rmm` on the repeat task at every budget and `h2o` there
-# at 1/16, 1/4 and 1/2 (tying it at 1/8); on the chain task, whose reuse reads a pair
-# first read long before, it beats both at 1/8 to 1/2 and ties them near zero at 1/16.
+# the pretrained estimator beats `rmm` and `h2o` on both endogenous-reuse tasks at every
+# budget, clearly on the chain task (whose reuse reads a pair first read long before)
+# and on repeat at 1/16, narrowly (within the seed spread) on repeat from 1/8 up.
 # `flsmem learned --quick --estimator DIR` compares any checkpoint directory written by
 # `train_estimator --out`.
