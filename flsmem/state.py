@@ -261,4 +261,3 @@ def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "he
         return PartitionSpec(*axes)
 
     return jax.tree.map(spec, state.aux, grown)
-
