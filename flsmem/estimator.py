@@ -741,7 +741,8 @@ def guided(learner: Policy, behaviour: Policy) -> Policy:
         init_evidence=_guided_init_evidence, init_aux=_guided_init_aux, monitor=_guided_monitor,
         num_evidence=learner.num_evidence + behaviour.num_evidence, normalise_by_age=behaviour.normalise_by_age,
         needs_future=behaviour.needs_future, sinks=learner.sinks, recent=learner.recent, lag=learner.lag,
-        params=(("behaviour", behaviour), ("learner", learner)),
+        # The learner's features are of the attention reduced as it was trained on.
+        head_reduction=learner.head_reduction, params=(("behaviour", behaviour), ("learner", learner)),
     )
 
 

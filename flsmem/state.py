@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 
 from flsmem import validate
 from flsmem.config import MemoryConfig
@@ -241,8 +242,8 @@ def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "he
     (the learned estimator's parameters) grows on none. None when the policy keeps no
     state. Sharding splits the state by it; the decoder folds layers into rows only
     when every entry is per row."""
-    from jax.sharding import PartitionSpec
-
+    if not isinstance(state, MemoryState):
+        raise TypeError(f"state must be a MemoryState (from flsmem.init), got {type(state).__name__}")
     if state.aux is None:
         return None
     policy = state.config.policy
