@@ -1,4 +1,4 @@
-"""Benchmarks of flsmem (issue 7): every speed figure is a ratio measured in one run.
+"""Benchmarks of flsmem: every speed figure is a ratio measured in one run.
 
 Each command prints a table, writes ``results/bench/<name>.json`` (figures, the
 command that made them, the machine) and ``python -m bench.report`` assembles

@@ -224,11 +224,11 @@ def choices(allowed: tuple[str, ...]):
 def load_model(name: str):
     """The decoder by name: "tiny" (bundled checkpoint) or "smollm2" (SmolLM2-135M)."""
     if name == "tiny":
-        from models.tiny import load_tiny
+        from flsmem.models.tiny import load_tiny
 
         return load_tiny()[0]
     if name == "smollm2":
-        from models.smollm2 import load_smollm2
+        from flsmem.models.smollm2 import load_smollm2
 
         return load_smollm2()[0]
     raise ValueError(f"model must be 'tiny' or 'smollm2', got {name!r}")

@@ -1,6 +1,6 @@
 """The two decode loops that the benchmarks compare, and caches to start them from.
 
-* The flsmem loop is the library's own serving loop, :func:`models.generate.decode_loop`
+* The flsmem loop is the library's own serving loop, :func:`flsmem.models.generate.decode_loop`
   (write, attend, observe, smooth, evict when due).
 * The plain loop is the same decoder (same parameters, same modules) with a plain
   fixed-size cache: a ring of ``slots`` key/value slots per layer, the new token written
@@ -22,8 +22,8 @@ from flax import nnx
 
 import flsmem
 from bench.common import random_kv
-from models.decoder import Decoder, DecoderConfig, init_memories, rope
-from models.generate import decode_loop
+from flsmem.models.decoder import Decoder, DecoderConfig, init_memories, rope
+from flsmem.models.generate import decode_loop
 
 __all__ = ["PlainCache", "plain_cache", "plain_step", "plain_loop", "steady_memories", "run_plain", "run_flsmem"]
 
@@ -47,7 +47,7 @@ def plain_cache(cfg: DecoderConfig, batch: int, slots: int, filled: int, key) ->
 def plain_step(model: Decoder, cache: dict, logits, t):
     """One greedy decode step at position ``t`` with the plain ring cache.
 
-    Built like the flsmem path of :class:`models.decoder.Decoder`: the caches of all
+    Built like the flsmem path of :class:`flsmem.models.decoder.Decoder`: the caches of all
     layers ride in the layer loop's carry and the new key and value are written in
     place at this layer's index; only the memory bookkeeping differs.
     """

@@ -1,7 +1,7 @@
 """Per-step overhead of flsmem in the jitted decode loop, and its compile time.
 
 For each model, batch size, policy and ``evict_every``: the library's serving loop
-(:func:`models.generate.decode_loop`, write + attend + observe + smooth + evict when
+(:func:`flsmem.models.generate.decode_loop`, write + attend + observe + smooth + evict when
 due) against the same decoder with a plain fixed-size ring cache of the same resident
 size (``budget + evict_every`` slots, no scores, no eviction), both in steady state at
 position ``2 * budget``. Overhead = median over rounds of (flsmem time / plain time) - 1,
@@ -29,7 +29,7 @@ import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from flsmem import estimator, policies
-from harness.evaluate import ESTIMATOR_DIR
+from flsmem.harness.evaluate import ESTIMATOR_DIR
 
 POLICIES = {
     "rmm": lambda: policies.rmm(lag=16),

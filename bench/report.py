@@ -61,7 +61,7 @@ def overhead_verdict(row) -> str:
 def overhead_section(record, quick=None, quick_all_cores=None, title=None) -> tuple[list[str], list[str]]:
     title = title or ", ".join(sorted({row["model"] for row in record["rows"]}))
     lines = [f"## Per-step overhead of flsmem in the decode loop ({title})", "",
-             "The serving loop (`models.generate.decode_loop`: write, attend, observe, smooth, evict when "
+             "The serving loop (`flsmem.models.generate.decode_loop`: write, attend, observe, smooth, evict when "
              "due) against the same decoder with a plain ring cache of the same resident size "
              "(`budget + evict_every` slots, no scores, no eviction), both in steady state at position "
              "2 x budget (budget 256 for tiny, 512 for SmolLM2). Overhead = median over rounds of the time "

@@ -13,7 +13,7 @@ from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
 from flsmem.observe import observe, reduce_query_heads
 from flsmem.smooth import smooth
-from flsmem.state import MemoryState, MemoryStats, age, init, occupancy, present, summary, visible
+from flsmem.state import MemoryState, MemoryStats, age, check_state, init, occupancy, present, summary, visible
 from flsmem.update import update
 from flsmem.write import write
 
@@ -24,6 +24,7 @@ __all__ = [
     "MemoryState",
     "MemoryStats",
     "age",
+    "check_state",
     "checkpoint",
     "checks",
     "evict",

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import checkify
 
-from flsmem import validate
 from flsmem.observe import observe as _observe
-from flsmem.state import MemoryState, visible
+from flsmem.observe import observe_args
+from flsmem.state import MemoryState, check_state, visible
 from flsmem.typing import Array, Bool, Float, Int, PyTree
 from flsmem.update import update as _update
+from flsmem.write import _write_args
 from flsmem.write import write as _write
 
 __all__ = ["input_checks", "write_checks", "state_checks", "write", "observe", "update"]
@@ -61,7 +62,7 @@ def input_checks(
     * correctness is finite and in [0, 1];
     * future, when the policy uses it, is finite and >= 0.
     """
-    attention, correctness, future, q = validate.observe_args(state, attention, correctness, future)
+    attention, correctness, future, q = observe_args(state, attention, correctness, future)
     seen = visible(state, q)  # [B, K, Q, S]
     finite = jnp.isfinite(attention)
     _check_rows(_rows(finite | ~seen), "attention is NaN or Inf on a slot the query can see")
@@ -86,7 +87,7 @@ def write_checks(
     """Checks of ``write``'s inputs, on the items the mask lets through: positions are
     >= 0, differ within the chunk and from the positions the row holds (an item is
     written once), and float payloads are finite."""
-    payload, position, mask, _ = validate.write_args(state, payload, position, mask)
+    payload, position, mask, _ = _write_args(state, payload, position, mask)
     _check_rows(_rows((position >= 0) | ~mask), "a written position is negative")
     same = (position[:, :, None] == position[:, None, :]) & mask[:, :, None] & mask[:, None, :]
     q = position.shape[1]
@@ -111,7 +112,7 @@ def state_checks(state: MemoryState, *, after_update: bool = False) -> None:
     * with ``after_update``, for a policy that evicts: every row holds fewer present
       items than its high-water mark, ``budget + evict_every`` (eviction ran when due).
     """
-    validate.check_state(state)
+    check_state(state)
     config = state.config
     step = state.step[:, None, None]
     present = state.valid & (state.birth < step)

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
+from flsmem import validate
 from flsmem.policies import Policy
 
 __all__ = ["MemoryConfig", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("pallas", "xla", None)
-
-
-def _positive_int(name: str, value) -> int:
-    # numpy integers are accepted (a budget read from an array) and stored as int, so
-    # equal configs hash equally; bools and floats are not counts.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +46,7 @@ class MemoryConfig:
                 f"got {type(self.policy).__name__}"
             )
         for name in ("budget", "evict_every", "max_chunk"):
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+            object.__setattr__(self, name, validate.positive_int(name, getattr(self, name)))
         if not isinstance(self.interpret, bool):
             raise ValueError(f"interpret must be a bool, got {self.interpret!r}")
         if self.implementation not in IMPLEMENTATIONS:

@@ -75,7 +75,8 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flsmem.policies import Observation, Policy, SlotView, _check_nonneg_int, _check_positive, _require
+from flsmem import validate
+from flsmem.policies import Observation, Policy, SlotView
 from flsmem.typing import Array, Float, PyTree
 
 __all__ = [
@@ -168,9 +169,9 @@ def init_params(hidden: int = 32, seed: int = 0, prior: str | None = None) -> Py
     item's first 16 queries only) (the linear part picks that feature, every other
     output weight is 0), so it ranks as the heuristic until it learns otherwise.
     """
-    _require(isinstance(hidden, int) and hidden >= 1, f"hidden must be an int >= 1, got {hidden!r}")
-    _check_nonneg_int("seed", seed)
-    _require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
+    validate.require(isinstance(hidden, int) and hidden >= 1, f"hidden must be an int >= 1, got {hidden!r}")
+    validate.nonneg_int("seed", seed)
+    validate.require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
     params = nnx.to_pure_dict(nnx.split(ImportanceNet(hidden, rngs=nnx.Rngs(seed)))[1])
     if prior is None:
         params["linear"]["kernel"] = jnp.zeros_like(params["linear"]["kernel"])
@@ -256,7 +257,7 @@ class Weights:
 
     def __init__(self, params: PyTree):
         leaves = jax.tree.leaves(params)
-        _require(bool(leaves), "params must be a non-empty pytree of arrays")
+        validate.require(bool(leaves), "params must be a non-empty pytree of arrays")
         self.params = jax.tree.map(lambda x: np.array(x, copy=True), params)
         digest = hashlib.sha256()
         for path, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]:
@@ -590,21 +591,21 @@ def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
         settings count: protection may differ).
       aux: the policy state a stream ended with.
       layers_axis: ``aux`` has a leading layer axis (as ``stats["aux"]`` of
-        :func:`harness.evaluate.evaluate_windows`); each layer's copy of the network
+        :func:`flsmem.harness.evaluate.evaluate_windows`); each layer's copy of the network
         takes its own step.
 
     Returns:
       ``aux`` after the step.
     """
-    _require(isinstance(policy, Policy) and policy.name == "learned",
+    validate.require(isinstance(policy, Policy) and policy.name == "learned",
              f"policy must be the learned policy, got {getattr(policy, 'name', policy)!r}")
-    _require(isinstance(layers_axis, bool), f"layers_axis must be a bool, got {layers_axis!r}")
+    validate.require(isinstance(layers_axis, bool), f"layers_axis must be a bool, got {layers_axis!r}")
     missing = [name for name in ("params", "opt", *_SNAPSHOT) if not isinstance(aux, dict) or name not in aux]
-    _require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
+    validate.require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
     # snap_features is [L?, M?, B, K, S, F]: the axes say which policy and layout made it.
     expected = 4 + (policy.p["snapshots"] > 1) + layers_axis
     got = jnp.shape(aux["snap_features"])
-    _require(len(got) == expected and got[-1] == len(FEATURES),
+    validate.require(len(got) == expected and got[-1] == len(FEATURES),
              f"aux['snap_features'] must have {expected} axes ending in {len(FEATURES)} features for "
              f"snapshots={policy.p['snapshots']} and layers_axis={layers_axis}, got shape {list(got)}")
     # Protection does not change the step: one compile serves every budget.
@@ -681,28 +682,28 @@ def learned(
       hidden: width of the network (ignored when ``weights`` are given).
       sinks, recent, lag: protection, as for every policy (0 decides at H = 0).
     """
-    _require(weights is None or isinstance(weights, Weights),
+    validate.require(weights is None or isinstance(weights, Weights),
              f"weights must be flsmem.estimator.Weights (from load) or None, got {type(weights).__name__}")
-    _require(isinstance(online, bool), f"online must be a bool, got {online!r}")
-    _check_positive("learning_rate", learning_rate)
-    _require(label in ("peak", "sum"), f"label must be 'peak' or 'sum', got {label!r}")
-    _require(loss in ("squared", "ranking"), f"loss must be 'squared' or 'ranking', got {loss!r}")
-    _require(isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1,
+    validate.require(isinstance(online, bool), f"online must be a bool, got {online!r}")
+    validate.positive("learning_rate", learning_rate)
+    validate.require(label in ("peak", "sum"), f"label must be 'peak' or 'sum', got {label!r}")
+    validate.require(loss in ("squared", "ranking"), f"loss must be 'squared' or 'ranking', got {loss!r}")
+    validate.require(isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1,
              f"horizon must be an int >= 1, got {horizon!r}")
-    _require(isinstance(snapshots, int) and not isinstance(snapshots, bool) and snapshots >= 1,
+    validate.require(isinstance(snapshots, int) and not isinstance(snapshots, bool) and snapshots >= 1,
              f"snapshots must be an int >= 1, got {snapshots!r}")
-    _require(horizon % snapshots == 0,
+    validate.require(horizon % snapshots == 0,
              f"snapshots must divide horizon (a snapshot every horizon / snapshots queries), "
              f"got snapshots={snapshots} for horizon={horizon}")
-    _require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
+    validate.require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
              f"hidden must be an int >= 1, got {hidden!r}")
-    _check_nonneg_int("seed", seed)
-    _require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
+    validate.nonneg_int("seed", seed)
+    validate.require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
     if weights is not None:
         hidden = _hidden_of(weights.params)
         shapes = jax.tree.map(np.shape, weights.params)
         expected = jax.tree.map(np.shape, _shapes(hidden))
-        _require(shapes == expected, f"weights must fit an ImportanceNet of width {hidden}: "
+        validate.require(shapes == expected, f"weights must fit an ImportanceNet of width {hidden}: "
                                      f"expected shapes {expected}, got {shapes}")
     return Policy(
         name="learned", score=_score, fold=_fold, init_evidence=_init_evidence, init_aux=_init_aux,
@@ -731,9 +732,9 @@ def guided(learner: Policy, behaviour: Policy) -> Policy:
       behaviour: a policy without state of its own (``init_aux`` None), such as the
         oracle; it ranks the slots for eviction.
     """
-    _require(isinstance(learner, Policy) and learner.name == "learned",
+    validate.require(isinstance(learner, Policy) and learner.name == "learned",
              f"learner must be the learned policy, got {getattr(learner, 'name', learner)!r}")
-    _require(isinstance(behaviour, Policy) and behaviour.init_aux is None and behaviour.evicts,
+    validate.require(isinstance(behaviour, Policy) and behaviour.init_aux is None and behaviour.evicts,
              f"behaviour must be a policy that evicts and keeps no state of its own, "
              f"got {getattr(behaviour, 'name', behaviour)!r}")
     return Policy(

@@ -12,9 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from flsmem import validate
 from flsmem.kernels.topk import topk_mask
-from flsmem.state import MemoryState, age, present
+from flsmem.state import MemoryState, age, check_state, present
 from flsmem.typing import Array, Bool, Float
 
 __all__ = ["evict", "is_due", "priority", "protected"]
@@ -82,7 +81,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
     Returns:
       The memory with the evicted slots freed (``valid`` False, ``position`` -1).
     """
-    validate.check_state(state)
+    check_state(state)
     config = state.config
     if budget is not None:
         protected_count = config.policy.sinks + config.policy.protected_age

@@ -9,10 +9,10 @@ from jax import lax
 
 from flsmem import validate
 from flsmem.policies import Observation, Policy, SlotView
-from flsmem.state import MemoryState
+from flsmem.state import MemoryState, check_state
 from flsmem.typing import Array, Float
 
-__all__ = ["observe", "reduce_query_heads"]
+__all__ = ["observe", "observe_args", "reduce_query_heads"]
 
 
 def reduce_query_heads(
@@ -118,5 +118,47 @@ def observe(
     Returns:
       The memory with evidence folded and the clock advanced.
     """
-    attention, correctness, future, _ = validate.observe_args(state, attention, correctness, future)
+    attention, correctness, future, _ = observe_args(state, attention, correctness, future)
     return scan_queries(state, observe_one, attention, correctness, future)
+
+
+def observe_args(state, attention, correctness, future):
+    """Normalise ``observe``'s arguments to a chunk: attention ``[B, K, Q, S]``,
+    correctness ``[B, Q]``, future ``[B, K, Q, S]`` or None; returns them and Q."""
+    check_state(state)
+    b, k, s = state.valid.shape
+    shape = validate.shape(attention)
+    if shape == (b, k, s):
+        single, q = True, 1
+    elif len(shape) == 4 and shape[:2] == (b, k) and shape[3] == s:
+        single, q = False, shape[2]
+    else:
+        validate.fail(f"attention must be [B, K, S] = {[b, k, s]} or [B, K, Q, S] = {[b, k, 'Q', s]}, "
+              f"got {list(shape)}")
+    if not validate.is_float(attention):
+        validate.fail(f"attention must be a float array, got {jnp.result_type(attention)}")
+    expected = (b,) if single else (b, q)
+    if correctness is None:
+        correctness = jnp.ones(expected, jnp.float32)
+    elif validate.shape(correctness) != expected or not validate.is_float(correctness):
+        validate.fail(f"correctness must be a float array of shape {list(expected)} with values in "
+              f"[0, 1], got {jnp.result_type(correctness)}{list(validate.shape(correctness))}")
+    policy = state.config.policy
+    if policy.needs_future:
+        if future is None:
+            validate.fail(f"future is required by the {policy.name} policy: the future utility of "
+                  f"each slot, shaped like attention {list(shape)}")
+        if validate.shape(future) != shape or not validate.is_float(future):
+            validate.fail(f"future must be a float array shaped like attention {list(shape)}, got "
+                  f"{jnp.result_type(future)}{list(validate.shape(future))}")
+    else:
+        future = None
+    attention = jnp.asarray(attention, jnp.float32)
+    correctness = jnp.asarray(correctness, jnp.float32)
+    if single:
+        attention, correctness = attention[:, :, None], correctness[:, None]
+        if future is not None:
+            future = future[:, :, None]
+    if future is not None:
+        future = jnp.asarray(future, jnp.float32)
+    return attention, correctness, future, q

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from flsmem import validate
 from flsmem.typing import Array, Bool, Float, Int, PyTree
 
 __all__ = [
@@ -101,32 +102,6 @@ InitAuxFn = Callable[["Policy", int, int, int], PyTree]
 MonitorFn = Callable[["Policy", PyTree], dict[str, Array]]
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_nonneg_int(name: str, value: Any) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-        f"{name} must be a non-negative int, got {value!r}",
-    )
-
-
-def _check_unit(name: str, value: Any) -> None:
-    _require(
-        isinstance(value, (int, float)) and 0.0 <= float(value) <= 1.0,
-        f"{name} must be a number in [0, 1], got {value!r}",
-    )
-
-
-def _check_positive(name: str, value: Any) -> None:
-    _require(
-        isinstance(value, (int, float)) and float(value) > 0.0,
-        f"{name} must be a positive number, got {value!r}",
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """A frozen, hashable eviction policy.
@@ -188,22 +163,22 @@ class Policy:
     score_when_due: bool = False
 
     def __post_init__(self):
-        _check_nonneg_int("sinks", self.sinks)
-        _check_nonneg_int("recent", self.recent)
-        _check_nonneg_int("lag", self.lag)
-        _require(
+        validate.nonneg_int("sinks", self.sinks)
+        validate.nonneg_int("recent", self.recent)
+        validate.nonneg_int("lag", self.lag)
+        validate.require(
             isinstance(self.num_evidence, int) and self.num_evidence >= 1,
             f"num_evidence must be an int >= 1, got {self.num_evidence!r}",
         )
-        _require(
+        validate.require(
             self.head_reduction in HEAD_REDUCTIONS,
             f"head_reduction must be one of {HEAD_REDUCTIONS}, got {self.head_reduction!r}",
         )
-        _require(
+        validate.require(
             isinstance(self.normalise_by_age, bool),
             f"normalise_by_age must be a bool, got {self.normalise_by_age!r}",
         )
-        _require(
+        validate.require(
             isinstance(self.score_when_due, bool),
             f"score_when_due must be a bool, got {self.score_when_due!r}",
         )
@@ -519,7 +494,7 @@ def ema(decay: float = 0.9, *, weighted: bool = False, recent: int = 0, lag: int
     Decay 1 accumulates (H2O's rule), decay 0 measures (TOVA's rule); values between
     trade the two off. With ``weighted`` the attention is weighted by correctness.
     """
-    _check_unit("decay", decay)
+    validate.unit("decay", decay)
     return Policy(
         name="ema", score=_score_first, fold=_fold_decayed_sum, recent=recent, lag=lag,
         params=(("decay", float(decay)), ("weighted", bool(weighted))),
@@ -535,7 +510,7 @@ def rmm(lag: int = 16, *, recent: int = 0, decay: float = 1.0) -> Policy:
     ``max(recent, lag)`` equal, it keeps exactly what :func:`h2o` keeps. ``decay < 1``
     forgets old evidence (measuring instead of accumulating).
     """
-    _check_unit("decay", decay)
+    validate.unit("decay", decay)
     return Policy(
         name="rmm", score=_score_first, fold=_fold_decayed_sum, recent=recent, lag=lag,
         params=(("decay", float(decay)), ("weighted", True)),
@@ -550,7 +525,7 @@ def scissorhands(history: int = 32, *, recent: int = 0) -> Policy:
     highest counts (score = -count). For items that have seen the whole history window
     this ranks exactly as the count of above-uniform steps.
     """
-    _require(isinstance(history, int) and history >= 1, f"history must be an int >= 1, got {history!r}")
+    validate.require(isinstance(history, int) and history >= 1, f"history must be an int >= 1, got {history!r}")
     return Policy(
         name="scissorhands", score=_score_unimportance, fold=_fold_scissorhands,
         num_evidence=history, recent=recent,
@@ -567,12 +542,12 @@ def snapkv(window: int = 32, *, kernel_size: int = 5, pooling: str = "avg") -> P
     protected. Built for prefill
     compression: write and observe the prompt, then ``evict(state, budget=...)``.
     """
-    _require(isinstance(window, int) and window >= 1, f"window must be an int >= 1, got {window!r}")
-    _require(
+    validate.require(isinstance(window, int) and window >= 1, f"window must be an int >= 1, got {window!r}")
+    validate.require(
         isinstance(kernel_size, int) and kernel_size >= 1,
         f"kernel_size must be an int >= 1, got {kernel_size!r}",
     )
-    _require(pooling in ("avg", "max"), f"pooling must be 'avg' or 'max', got {pooling!r}")
+    validate.require(pooling in ("avg", "max"), f"pooling must be 'avg' or 'max', got {pooling!r}")
     return Policy(
         name="snapkv", score=_score_snapkv, fold=_fold_snapkv, num_evidence=window,
         recent=window,
@@ -593,7 +568,7 @@ def key_norm(leaf: str = "k") -> Policy:
 def random(seed: int = 0) -> Policy:
     """Random eviction: each item draws a fixed uniform score from a hash of
     (seed, batch row, KV head, position), so runs are reproducible."""
-    _check_nonneg_int("seed", seed)
+    validate.nonneg_int("seed", seed)
     return Policy(name="random", score=_score_first, init_evidence=_init_random,
                   params=(("seed", seed),))
 
@@ -618,9 +593,9 @@ def kalman(
     the filter's own memory, about ``1 / sqrt(q / r)`` queries. :mod:`flsmem.theory`
     gives the steady-state gain for a q/r and the EMA decay it implies.
     """
-    _require(isinstance(q, (int, float)) and q >= 0, f"q must be a number >= 0, got {q!r}")
-    _check_positive("r", r)
-    _check_unit("beta", beta)
+    validate.require(isinstance(q, (int, float)) and q >= 0, f"q must be a number >= 0, got {q!r}")
+    validate.positive("r", r)
+    validate.unit("beta", beta)
     return Policy(
         name="kalman", score=_score_kalman, fold=_fold_kalman, init_aux=_kalman_init_aux,
         num_evidence=5, recent=recent, lag=lag,
@@ -645,8 +620,8 @@ def lag_window(lag: int = 16, *, gamma: float = 0.9, decay_after: float = 1.0,
     score is frozen, multiplied by ``decay_after`` each query (1 keeps it forever; a
     value slightly below 1 lets stale high scores fade).
     """
-    _check_unit("gamma", gamma)
-    _check_unit("decay_after", decay_after)
+    validate.unit("gamma", gamma)
+    validate.unit("decay_after", decay_after)
     return Policy(
         name="lag_window", score=_score_first, fold=_fold_lag_window, lag=lag,
         params=(("gamma", float(gamma)), ("decay_after", float(decay_after)),
@@ -663,7 +638,7 @@ def use_recency(lag: int = 16, *, decay: float = 0.9,
     or above ``use_threshold`` when given; score = ``sum over uses of
     decay^(steps since the use)``, computed incrementally as ``e <- decay * e + used``.
     """
-    _check_unit("decay", decay)
+    validate.unit("decay", decay)
     return Policy(
         name="use_recency", score=_score_first, fold=_fold_use_recency, lag=lag,
         params=(("decay", float(decay)), ("use_threshold", use_threshold)),

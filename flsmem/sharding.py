@@ -39,8 +39,7 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flsmem import validate
-from flsmem.state import MemoryState, aux_axes
+from flsmem.state import MemoryState, aux_axes, check_state
 from flsmem.update import update as _update
 
 __all__ = ["make_mesh", "partition_specs", "shardings", "shard", "constrain", "row_sharding", "shard_map_update"]
@@ -58,7 +57,7 @@ def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_a
     ``head_axis``), ``[B]`` arrays (step, the counts in stats) over ``batch_axis``, the
     policy's per-row state likewise and its shared state (the learned estimator's
     parameters) replicated."""
-    validate.check_state(state)
+    check_state(state)
     rows = PartitionSpec(batch_axis, head_axis)
     batch = PartitionSpec(batch_axis)
     return state.replace(

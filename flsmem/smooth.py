@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from flsmem import validate
 from flsmem.policies import SlotView
-from flsmem.state import MemoryState, age, present
+from flsmem.state import MemoryState, age, check_state, present
 
 __all__ = ["smooth", "FALLBACK_SCALE"]
 
@@ -32,7 +31,7 @@ def smooth(state: MemoryState) -> MemoryState:
       The memory with ``score`` ``[B, K, S]`` committed (0 for slots that are free or
       whose item has not arrived yet) and ``stats.fallbacks`` counted.
     """
-    validate.check_state(state)
+    check_state(state)
     policy = state.config.policy
     ages = age(state)
     here = present(state)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -13,7 +15,10 @@ from flsmem import validate
 from flsmem.config import MemoryConfig
 from flsmem.typing import Array, Bool, Float, Int, PyTree
 
-__all__ = ["MemoryState", "MemoryStats", "init", "present", "visible", "age", "occupancy", "summary", "aux_axes"]
+__all__ = [
+    "MemoryState", "MemoryStats", "init", "check_state", "present", "visible", "age", "occupancy", "summary",
+    "aux_axes",
+]
 
 
 @struct.dataclass
@@ -159,6 +164,47 @@ def init(
     )
 
 
+def check_state(state) -> None:
+    """The state is a :class:`~flsmem.MemoryState` whose arrays agree with each other and
+    with its config (a state edited by hand, restored from elsewhere or taken apart by
+    a transformation fails here, not deep inside a policy). The payload may be None:
+    per-query loops carry the state without it."""
+    if not isinstance(state, MemoryState):
+        validate.fail(f"state must be a flsmem.MemoryState (from flsmem.init), got {type(state).__name__}")
+    valid = state.valid
+    if jnp.ndim(valid) != 3 or jnp.result_type(valid) != jnp.bool_:
+        validate.fail(f"state.valid must be a bool array [B, K, S], got {jnp.result_type(valid)}{list(validate.shape(valid))} "
+              "(a memory stacked over layers must be mapped over, e.g. with jax.vmap or lax.map)")
+    rows = validate.shape(valid)
+    capacity = state.config.capacity
+    if rows[2] != capacity:
+        validate.fail(f"state has {rows[2]} slots per row but its config's capacity is {capacity} "
+              "(budget + evict_every + max_chunk - 1); build the state with flsmem.init(config, ...)")
+    num_evidence = state.config.policy.num_evidence
+    fields = (
+        ("position", state.position, rows, jnp.int32),
+        ("birth", state.birth, rows, jnp.int32),
+        ("score", state.score, rows, jnp.float32),
+        ("evidence", state.evidence, rows + (num_evidence,), jnp.float32),
+        ("step", state.step, rows[:1], jnp.int32),
+    )
+    for name, value, shape, dtype in fields:
+        if validate.shape(value) != shape or jnp.result_type(value) != dtype:
+            validate.fail(f"state.{name} must be {jnp.dtype(dtype).name}{list(shape)}, got "
+                  f"{jnp.result_type(value)}{list(validate.shape(value))}")
+    for field in dataclasses.fields(state.stats):
+        value = getattr(state.stats, field.name)
+        per_head = field.name in state.stats.PER_HEAD
+        shape, dims = (rows[:2], "[B, K]") if per_head else (rows[:1], "[B]")
+        if validate.shape(value) != shape:
+            validate.fail(f"state.stats.{field.name} must have shape {dims} = {list(shape)}, got {list(validate.shape(value))}")
+    if state.payload is not None:
+        for path, value in jax.tree_util.tree_flatten_with_path(state.payload)[0]:
+            if validate.shape(value)[:3] != rows:
+                validate.fail(f"state.payload{jax.tree_util.keystr(path)} must be [B, K, S, ...] with [B, K, S] = "
+                      f"{list(rows)}, got {list(validate.shape(value))}")
+
+
 def present(state: MemoryState) -> Bool[Array, "B K S"]:
     """Occupied slots whose item has arrived (a chunk's items arrive one per query).
 
@@ -177,7 +223,7 @@ def visible(state: MemoryState, queries: int | None = None) -> Bool[Array, "B K 
     Returns:
       ``[B, K, S]`` for ``queries=None``, else ``[B, K, Q, S]``.
     """
-    validate.check_state(state)
+    check_state(state)
     if queries is None:
         return state.valid & (state.birth <= state.step[:, None, None])
     if not (isinstance(queries, int) and not isinstance(queries, bool) and queries >= 1):
@@ -214,7 +260,7 @@ def summary(state: MemoryState) -> dict[str, Array]:
       first eviction), ``fallbacks``, ``forced_writes``, ``nonfinite_inputs``, and the
       policy's own entries.
     """
-    validate.check_state(state)
+    check_state(state)
     s = state.stats
     n = jnp.maximum(s.evictions, 1).astype(jnp.float32)
     # The per-head sums are added over heads only here, when read.

@@ -5,9 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from flsmem import validate
 from flsmem.evict import evict, is_due
-from flsmem.observe import observe_one, scan_queries
+from flsmem.observe import observe_args, observe_one, scan_queries
 from flsmem.smooth import smooth
 from flsmem.state import MemoryState
 from flsmem.typing import Array, Float
@@ -49,5 +48,5 @@ def update(
       ``budget + evict_every`` present items evicted back to ``budget``, the clock
       advanced by Q.
     """
-    attention, correctness, future, _ = validate.observe_args(state, attention, correctness, future)
+    attention, correctness, future, _ = observe_args(state, attention, correctness, future)
     return scan_queries(state, _step, attention, correctness, future)

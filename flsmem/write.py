@@ -8,7 +8,7 @@ from jax import lax
 
 from flsmem import validate
 from flsmem.evict import priority
-from flsmem.state import MemoryState
+from flsmem.state import MemoryState, check_state
 from flsmem.typing import Array, Bool, Int, PyTree
 
 __all__ = ["write", "write_slots"]
@@ -98,7 +98,7 @@ def write_slots(
 def _write_slots(state, payload, position, mask):
     """``write`` without the payload: returns the state, the targets and the payload
     normalised to chunks ``[B, K, Q, ...]``."""
-    payload, position, mask, q = validate.write_args(state, payload, position, mask)
+    payload, position, mask, q = _write_args(state, payload, position, mask)
     b, k, s = state.valid.shape
     birth = state.step[:, None] + jnp.arange(q, dtype=jnp.int32)[None, :]  # [B, Q]
 
@@ -130,3 +130,50 @@ def _write_slots(state, payload, position, mask):
         stats=stats,
     )
     return state, target, payload
+
+
+def _write_args(state, payload, position, mask):
+    """Normalise ``write``'s arguments to a chunk: payload leaves ``[B, K, Q, ...]``,
+    position ``[B, Q]`` int32, mask ``[B, Q]`` bool; returns them and Q."""
+    check_state(state)
+    b, k, s = state.valid.shape
+    if jax.tree.structure(payload) != jax.tree.structure(state.payload):
+        validate.fail(
+            f"payload must have the memory's structure {jax.tree.structure(state.payload)}, "
+            f"got {jax.tree.structure(payload)}"
+        )
+    single = None
+    q = 1
+    for new, old in zip(jax.tree.leaves(payload), jax.tree.leaves(state.payload)):
+        item = old.shape[3:]
+        shape = validate.shape(new)
+        if shape == (b, k) + item:
+            is_single = True
+        elif len(shape) == 3 + len(item) and shape[:2] == (b, k) and shape[3:] == item:
+            is_single, q = False, shape[2]
+        else:
+            validate.fail(
+                f"payload leaves must be [B, K, ...item] = {(b, k) + item} or "
+                f"[B, K, Q, ...item] = {(b, k, 'Q') + item}, got {shape}"
+            )
+        if single is not None and single != is_single:
+            validate.fail("payload leaves must all be single items or all be chunks of Q items")
+        single = is_single
+        if validate.is_float(old) != validate.is_float(new) or validate.is_int(old) != validate.is_int(new):
+            validate.fail(f"payload leaf dtype must be like the memory's {old.dtype}, got {jnp.result_type(new)}")
+    if not single and (q < 1 or q > state.config.max_chunk):
+        validate.fail(f"payload chunk length Q must be in [1, max_chunk={state.config.max_chunk}], got {q}")
+    expected = (b,) if single else (b, q)
+    if validate.shape(position) != expected or not validate.is_int(position):
+        validate.fail(f"position must be an int array of shape {expected}, got "
+              f"{jnp.result_type(position)}{list(validate.shape(position))}")
+    if mask is None:
+        mask = jnp.ones(expected, jnp.bool_)
+    elif validate.shape(mask) != expected or jnp.result_type(mask) != jnp.bool_:
+        validate.fail(f"mask must be a bool array of shape {expected}, got "
+              f"{jnp.result_type(mask)}{list(validate.shape(mask))}")
+    if single:
+        payload = jax.tree.map(lambda x: jnp.expand_dims(x, 2), payload)
+        position, mask = position[:, None], mask[:, None]
+    payload = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype), payload, state.payload)
+    return payload, jnp.asarray(position, jnp.int32), jnp.asarray(mask), q

@@ -30,7 +30,7 @@ Standard errors (jackknife, so that ratios and the crossover get one too) are ov
 batch means: independent replicate rows (KV heads, each pooling ``slots`` slots, as
 one row of a cache would) times blocks of queries.
 
-    python -m harness.drift [--quick] [--json PATH] [--plot PATH]
+    python -m flsmem.harness.drift [--quick] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -361,7 +361,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m harness.drift", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.drift", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer slots and steps (seconds, for tests)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the plot as PNG")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,7 +37,7 @@ from flax import nnx
 import flsmem
 from flsmem import estimator as E
 from flsmem import policies as P
-from models.decoder import Decoder, init_memories, update_memories
+from flsmem.models.decoder import Decoder, init_memories, update_memories
 
 __all__ = [
     "CORRECTNESS",
@@ -101,7 +102,7 @@ POLICY_NAMES = (
 # and learning from a fresh network. Not in the default comparison: they need the
 # pretrained checkpoint (checkpoints/estimator).
 LEARNED_NAMES = ("learned", "learned_offline", "learned_scratch")
-ESTIMATOR_DIR = Path(__file__).resolve().parent.parent / "checkpoints" / "estimator"
+ESTIMATOR_DIR = Path(str(resources.files("flsmem.checkpoints"))) / "estimator"
 
 
 def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:

@@ -1,6 +1,6 @@
 """The learned estimator against the heuristics, in the regime map's harness.
 
-``flsmem learned`` runs :func:`harness.regime.run` with the three learned variants at
+``flsmem learned`` runs :func:`flsmem.harness.regime.run` with the three learned variants at
 commit lag H = 0 (pretrained and still learning, pretrained and frozen, learning from a
 fresh network) beside ``rmm``, ``h2o``, ``tova``, ``snapkv`` and the oracle, at equal
 budgets, on the controlled tasks and on natural text. It writes ``learned.json``, the
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import regime
+from flsmem.harness import regime
 
 __all__ = ["POLICIES", "FULL", "QUICK", "targets", "format_report", "main"]
 
 POLICIES = ("oracle", "learned", "learned_offline", "learned_scratch", "rmm", "h2o", "tova", "snapkv")
 HEURISTICS = ("rmm", "h2o", "tova", "snapkv")
-# The endogenous-reuse tasks of models.tasks.
+# The endogenous-reuse tasks of flsmem.models.tasks.
 ENDOGENOUS = ("repeat", "chain")
 _NONE: tuple = ()
 

@@ -3,7 +3,7 @@
 One harness, one model per setting, every policy side by side (``flsmem regime``):
 
 * **map**: ``rmm``, ``h2o``, ``tova``, ``streaming_llm``, ``snapkv``, ``ema``, ``kalman``
-  and the oracle at every budget, on the controlled tasks of :mod:`models.tasks` (the
+  and the oracle at every budget, on the controlled tasks of :mod:`flsmem.models.tasks` (the
   task-trained tiny decoder, answer accuracy after the gap) and on natural text (the
   tiny decoder and SmolLM2-135M, NLL increase over the full cache). Task examples are
   drawn in independent seeds, so every accuracy comes with its spread over seeds;
@@ -11,7 +11,7 @@ One harness, one model per setting, every policy side by side (``flsmem regime``
   protected and the lag's slots are paid out of the budget; H >= budget is not
   possible (the lag alone would fill the memory) and is left empty;
 * **signals**: ``rmm`` weighted by each correctness signal of
-  :data:`harness.evaluate.CORRECTNESS`, teacher-forced and serving proxies, against the
+  :data:`flsmem.harness.evaluate.CORRECTNESS`, teacher-forced and serving proxies, against the
   teacher-forced hard signal.
 
 Every run writes ``regime.json`` (all rows), text tables and the plots into ``--out``.
@@ -50,7 +50,7 @@ class Plan:
     """What one run measures.
 
     Attributes:
-      tasks: controlled tasks (names from :data:`models.tasks.TASKS`).
+      tasks: controlled tasks (names from :data:`flsmem.models.tasks.TASKS`).
       seeds: independent draws of task examples; spreads are over these.
       examples: task examples per seed.
       task_context, text_context: tokens per window of the tasks and of the prose.
@@ -63,7 +63,7 @@ class Plan:
       signal_settings, signal_fractions: the same for the correctness signals.
       retention_settings, retention_fractions: tasks and budgets at which to record
         which items the memories still hold when the last query comes.
-      policies: the policies of the map (names for :func:`harness.evaluate.make_policy`).
+      policies: the policies of the map (names for :func:`flsmem.harness.evaluate.make_policy`).
       estimator: checkpoint directory of the learned policies (None: the shipped one).
     """
 
@@ -85,7 +85,7 @@ class Plan:
     estimator: str | None = None
 
     def __post_init__(self):
-        from models.tasks import TASKS
+        from flsmem.models.tasks import TASKS
 
         unknown = sorted(set(self.tasks) - set(TASKS))
         if unknown:
@@ -98,7 +98,7 @@ class Plan:
         for name in ("fractions", "lag_fractions", "signal_fractions", "retention_fractions"):
             if not all(0 < f < 1 for f in getattr(self, name)):
                 raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
-        from harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+        from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
 
         unknown = sorted(set(self.policies) - set(POLICY_NAMES + LEARNED_NAMES))
         if not self.policies or unknown:
@@ -120,13 +120,13 @@ QUICK = Plan(
 
 
 def _tasks_model():
-    from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+    from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
 
     return load_tiny(TASKS_CHECKPOINT_DIR)[0]
 
 
 def _text_model(name: str):
-    from harness.report import load_model
+    from flsmem.harness.report import load_model
 
     return load_model(name)
 
@@ -146,7 +146,7 @@ class _Setting:
         self._futures = None
 
     def futures(self):
-        from harness.evaluate import future_attention
+        from flsmem.harness.evaluate import future_attention
 
         if self._futures is None:
             self._futures = future_attention(self.model, self.windows, CHUNK)
@@ -154,7 +154,7 @@ class _Setting:
 
     def measure(self, policy: P.Policy, budget: int, correctness: str = "hard") -> dict:
         """Metric of ``policy`` at ``budget``: mean over windows, and per group (seed)."""
-        from harness.evaluate import evaluate_windows
+        from flsmem.harness.evaluate import evaluate_windows
 
         futures = self.futures() if policy.needs_future else None
         nll, hit, _ = evaluate_windows(self.model, self.windows, policy, budget, chunk=CHUNK,
@@ -165,8 +165,8 @@ class _Setting:
 
 
 def _task_setting(kind: str, plan: Plan, model) -> _Setting:
-    from models.data import ByteTokenizer, load_split
-    from models.tasks import LATE, make_tasks
+    from flsmem.models.data import ByteTokenizer, load_split
+    from flsmem.models.tasks import LATE, make_tasks
 
     text = ByteTokenizer().encode(load_split("test"))
     batches = [make_tasks(kind, text, plan.examples, plan.task_context, seed=seed) for seed in plan.seeds]
@@ -181,8 +181,8 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
 
 
 def _text_setting(name: str, plan: Plan) -> _Setting:
-    from harness.report import make_windows
-    from models.data import load_book
+    from flsmem.harness.report import make_windows
+    from flsmem.models.data import load_book
 
     model, tokenizer = _text_model(name)
     windows = make_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows)
@@ -202,7 +202,7 @@ def _budget(setting: _Setting, fraction: float) -> int:
 
 def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[dict]:
     """Every measurement of ``plan``, as rows (see :func:`main` for the files)."""
-    from harness.evaluate import make_policy
+    from flsmem.harness.evaluate import make_policy
 
     rows: list[dict] = []
     settings = []
@@ -255,7 +255,7 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
 def _item_positions(tokens: np.ndarray, answer: np.ndarray) -> dict[str, list[int]]:
     """Positions, in one task example, of the digits of the early answers, of the pairs
     those answers used, and of the pairs no early query used."""
-    from models.tasks import EARLY
+    from flsmem.models.tasks import EARLY
 
     digit = (tokens >= 48) & (tokens <= 57)
     early = [int(t) + 1 for t in np.flatnonzero(answer == EARLY) if digit[t + 1]]  # target t is token t + 1
@@ -273,7 +273,7 @@ def retention(setting: _Setting, name: str, fraction: float) -> dict[str, dict]:
     """Which items the memories of ``name`` hold when the last chunk (holding the late
     answers) comes: for each kind of item, the fraction of (layer, KV head) memories
     that hold it, averaged over items and examples (and per seed)."""
-    from harness.evaluate import evaluate_windows, make_policy
+    from flsmem.harness.evaluate import evaluate_windows, make_policy
 
     budget = _budget(setting, fraction)
     windows = setting.windows[:, :-CHUNK]  # stop before the chunk of the late answers

@@ -18,15 +18,15 @@ MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
 def load_model(name: str):
     """``(model, tokenizer)`` for a model name."""
     if name == "tiny":
-        from models.tiny import load_tiny
+        from flsmem.models.tiny import load_tiny
 
         return load_tiny()
     if name == "tiny-tasks":
-        from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+        from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
 
         return load_tiny(TASKS_CHECKPOINT_DIR)
     if name == "smollm2-135m":
-        from models.smollm2 import load_smollm2
+        from flsmem.models.smollm2 import load_smollm2
 
         return load_smollm2()
     raise ValueError(f"model must be one of {MODELS}, got {name!r}")
@@ -57,7 +57,7 @@ def make_windows(tokens: np.ndarray, context: int, count: int) -> np.ndarray:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from harness.evaluate import CORRECTNESS, POLICY_NAMES
+    from flsmem.harness.evaluate import CORRECTNESS, POLICY_NAMES
 
     parser.add_argument("--model", default="tiny", choices=MODELS)
     parser.add_argument("--text", default="persuasion", help="held-out book (see data/PROVENANCE.md)")
@@ -77,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list:
-    from harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
-    from models.data import load_book
+    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
+    from flsmem.models.data import load_book
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICY_NAMES + LEARNED_NAMES))
@@ -181,7 +181,7 @@ _SKIP = ("step", "occupancy", "held", "aux")
 
 
 def summarise_stats(stats: dict) -> dict[str, float]:
-    """One figure per name from :func:`harness.evaluate.evaluate_windows`' summary
+    """One figure per name from :func:`flsmem.harness.evaluate.evaluate_windows`' summary
     (``[L, W]`` arrays: layers by windows)."""
     out: dict[str, float] = {}
     evictions = np.asarray(stats["evictions"], np.float64)

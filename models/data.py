@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,8 @@ __all__ = [
     "eval_windows",
 ]
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# Package data: the same in a clone and in an installed wheel.
+DATA_DIR = Path(str(resources.files("flsmem.data")))
 AUSTEN_DIR = DATA_DIR / "austen"
 PROVENANCE = DATA_DIR / "PROVENANCE.md"
 

@@ -78,7 +78,7 @@ class DecoderConfig:
 # Byte-level: trained here on CPU in minutes.
 TINY = DecoderConfig(vocab_size=256, width=128, depth=4, q_heads=4, kv_heads=2, head_dim=32,
                      hidden=384, rope_theta=10000.0, max_len=512)
-# SmolLM2-135M(-Instruct), loaded from its GGUF file by models.smollm2.
+# SmolLM2-135M(-Instruct), loaded from its GGUF file by flsmem.models.smollm2.
 SMOLLM2_135M = DecoderConfig(vocab_size=49152, width=576, depth=30, q_heads=9, kv_heads=3, head_dim=64,
                              hidden=1536, rope_theta=100000.0, max_len=8192)
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import flsmem
-from models.decoder import Decoder, init_memories, update_memories
+from flsmem.models.decoder import Decoder, init_memories, update_memories
 
 __all__ = ["generate", "decode_step", "decode_loop"]
 

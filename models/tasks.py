@@ -1,7 +1,7 @@
 """Controlled recall tasks embedded in real prose, for the regime map.
 
 Each example is one window of ``length + 1`` bytes of Austen text (the same byte format
-as :mod:`models.data`) with short structured insertions:
+as :mod:`flsmem.models.data`) with short structured insertions:
 
 * a *pair* ``=K7`` binds a key (an uppercase letter) to a value (a digit); a *pointer*
   ``=KQ`` binds it to another key (the chain task);
@@ -37,7 +37,7 @@ Four tasks:
 
 The last answer of every task ends the window, so the gap between an item's use and its
 reuse is most of the window. Evaluation examples are cut from held-out books; training
-examples from the training split (see :data:`models.data.SPLITS`).
+examples from the training split (see :data:`flsmem.models.data.SPLITS`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The shipped byte-level ``TINY`` decoder trained on Austen: save and load its weights.
 
 ``checkpoints/tiny-austen/`` holds the parameters written by
-``python -m train.train_decoder --export checkpoints/tiny-austen`` (how it was trained and
+``python -m flsmem.train.train_decoder --export checkpoints/tiny-austen`` (how it was trained and
 its measured losses are in that folder's README.md)::
 
     checkpoints/tiny-austen/
@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import resources
 from pathlib import Path
 
 import jax
 from flax import nnx
 import orbax.checkpoint as ocp
 
-from models.data import ByteTokenizer
-from models.decoder import TINY, Decoder, DecoderConfig
+from flsmem.models.data import ByteTokenizer
+from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 
 __all__ = ["CHECKPOINT_DIR", "TASKS_CHECKPOINT_DIR", "save_params", "load_params", "load_tiny"]
 
-CHECKPOINT_DIR = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-austen"
-# The same architecture fine-tuned on the controlled recall tasks of models.tasks.
+# Package data: the same in a clone and in an installed wheel.
+CHECKPOINT_DIR = Path(str(resources.files("flsmem.checkpoints"))) / "tiny-austen"
+# The same architecture fine-tuned on the controlled recall tasks of flsmem.models.tasks.
 TASKS_CHECKPOINT_DIR = CHECKPOINT_DIR.parent / "tiny-tasks"
 
 _PARAMS = "params"
@@ -78,7 +80,7 @@ def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
     if not (directory / _PARAMS).is_dir():
         raise FileNotFoundError(
             f"no saved parameters in {directory} (expected a {_PARAMS}/ folder); "
-            "train and export them with: python -m train.train_decoder --export DIR"
+            "train and export them with: python -m flsmem.train.train_decoder --export DIR"
         )
     config_path = directory / _CONFIG
     if config_path.is_file():

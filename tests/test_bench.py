@@ -14,7 +14,7 @@ import flsmem
 from bench import common, kernel, overhead, profile, pyref, report
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
-from models.decoder import Decoder, DecoderConfig
+from flsmem.models.decoder import Decoder, DecoderConfig
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
 MODEL = Decoder(CFG, nnx.Rngs(0))

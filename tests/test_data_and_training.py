@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import data
-from models.data import ByteTokenizer, eval_windows, load_book, load_split, random_windows
-from models.decoder import TINY, Decoder, DecoderConfig
-from models.tiny import CHECKPOINT_DIR, load_params, load_tiny, save_params
-from train.train_decoder import TrainOptions, _parser, bits_per_byte, evaluate, train
+from flsmem.models import data
+from flsmem.models.data import ByteTokenizer, eval_windows, load_book, load_split, random_windows
+from flsmem.models.decoder import TINY, Decoder, DecoderConfig
+from flsmem.models.tiny import CHECKPOINT_DIR, load_params, load_tiny, save_params
+from flsmem.train.train_decoder import TrainOptions, _parser, bits_per_byte, evaluate, train
 
 # Small enough that a training run compiles and takes 30 steps in a few seconds.
 SMALL = DecoderConfig(vocab_size=256, width=32, depth=1, q_heads=2, kv_heads=1, head_dim=16, hidden=64, max_len=64)
@@ -166,7 +166,7 @@ def test_save_and_load_params_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="saved for"):
         load_params(tmp_path, dataclasses.replace(SMALL, hidden=32))
-    with pytest.raises(FileNotFoundError, match="train.train_decoder --export"):
+    with pytest.raises(FileNotFoundError, match="flsmem.train.train_decoder --export"):
         load_tiny(tmp_path / "missing")
 
 
@@ -198,7 +198,7 @@ def test_task_training_starts_from_saved_parameters_with_fresh_symbol_embeddings
     save_params(start, tmp_path / "init")
     opts = small_options(tmp_path / "run", data="tasks", init=str(tmp_path / "init"), fresh_tokens="=@",
                          length=128, steps=2, eval_every=2, eval_windows=2, task_eval=4)
-    from train.train_decoder import _fresh_embeddings
+    from flsmem.train.train_decoder import _fresh_embeddings
 
     fresh = load_params(tmp_path / "init", cfg)
     _fresh_embeddings(fresh, "=@", opts.seed)

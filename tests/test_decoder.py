@@ -10,7 +10,7 @@ from flax import nnx
 
 import flsmem
 from flsmem import policies as P
-from models.decoder import Decoder, DecoderConfig, init_memories, rope, update_memories
+from flsmem.models.decoder import Decoder, DecoderConfig, init_memories, rope, update_memories
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
 MODEL = Decoder(CFG, nnx.Rngs(0))
@@ -102,7 +102,7 @@ def test_bad_decoder_arguments():
 
 
 def test_generate_with_the_full_cache_is_plain_greedy_decoding():
-    from models.generate import generate
+    from flsmem.models.generate import generate
 
     prompt = TOKENS[:, :12]
     config = flsmem.MemoryConfig(policy=P.full(), budget=24, max_chunk=5)  # 12 = 5 + 5 + 2

@@ -250,7 +250,7 @@ def test_head_state_sums_far_attention():
 
 
 def test_the_harness_variants_share_the_shipped_settings():
-    from harness.evaluate import ESTIMATOR_DIR, make_policy
+    from flsmem.harness.evaluate import ESTIMATOR_DIR, make_policy
 
     shipped = E.load(ESTIMATOR_DIR)
     settings = E.load_settings(ESTIMATOR_DIR)

@@ -62,8 +62,8 @@ def _decoder_args(workdir: Path, export: Path) -> list[str]:
 
 
 def _params(path: Path):
-    from models.decoder import TINY
-    from models.tiny import load_params
+    from flsmem.models.decoder import TINY
+    from flsmem.models.tiny import load_params
 
     return jax.tree.leaves(nnx.state(load_params(path, TINY), nnx.Param))
 
@@ -72,7 +72,7 @@ def test_train_decoder_resumes_after_sigterm_and_sigkill(tmp_path):
     workdir, export = tmp_path / "work", tmp_path / "export"
     args = _decoder_args(workdir, export)
     # SIGTERM: the run finishes its step, saves it, exits with 143 and resumes there.
-    process = _start("train.train_decoder", args)
+    process = _start("flsmem.train.train_decoder", args)
     output = _interrupt_after(process, workdir, SAVE_EVERY, signal.SIGTERM)
     assert process.returncode == 128 + signal.SIGTERM, output
     stopped = int(output.split("stopped at step ")[1].split(";")[0])
@@ -80,13 +80,13 @@ def test_train_decoder_resumes_after_sigterm_and_sigkill(tmp_path):
 
     # SIGKILL: nothing runs after it; the next run starts from the last finished
     # checkpoint, so at most one interval of work is redone.
-    process = _start("train.train_decoder", args)
+    process = _start("flsmem.train.train_decoder", args)
     output = _interrupt_after(process, workdir, stopped + 1, signal.SIGKILL)
     assert f"trained steps {stopped}.." not in output  # it never got to the end
     last = _finished_checkpoints(workdir)[-1]
     assert stopped < last < STEPS and last % SAVE_EVERY == 0
 
-    output = _run("train.train_decoder", args)
+    output = _run("flsmem.train.train_decoder", args)
     assert f"trained steps {last}..{STEPS}" in output, output
     assert len(_params(export)) > 0  # exported once finished
     # Bit-exact continuation across a resume is tested in process, cheaper, in
@@ -100,10 +100,10 @@ def test_train_estimator_resumes_after_sigkill(tmp_path):
     batches = 6
     args = ["--batches", str(batches), "--sources", "tasks", "--fractions", "1", "--horizon", "8", "--windows", "2",
             "--task-context", "128", "--save-every", "1", "--no-progress", "--workdir", str(workdir), "--out", str(out)]
-    _interrupt_after(_start("train.train_estimator", args), workdir, 2, signal.SIGKILL)
+    _interrupt_after(_start("flsmem.train.train_estimator", args), workdir, 2, signal.SIGKILL)
     last = _finished_checkpoints(workdir)[-1]
     assert 2 <= last < batches
-    output = _run("train.train_estimator", args)
+    output = _run("flsmem.train.train_estimator", args)
     assert f"streamed batches {last}..{batches}" in output, output
     weights = E.load(out)  # complete and finite, or load raises
     assert weights.params["inner"]["kernel"].shape[0] == len(E.FEATURES)
@@ -136,7 +136,7 @@ def test_soak_holds_its_invariants_and_catches_broken_ones():
 
 
 def test_eval_stats_sums_counters_and_weights_means_by_evictions():
-    from harness import report
+    from flsmem.harness import report
 
     # Two layers by two windows; the learned policy's loss is one figure per layer.
     stats = {

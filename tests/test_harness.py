@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from flsmem import policies as P
-from harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
-from harness.report import make_windows, parse_budgets
-from models.decoder import Decoder, DecoderConfig
+from flsmem.harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
+from flsmem.harness.report import make_windows, parse_budgets
+from flsmem.models.decoder import Decoder, DecoderConfig
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
 MODEL = Decoder(CFG, nnx.Rngs(0))
@@ -100,7 +100,7 @@ def test_argument_checks():
 
 
 def test_flsmem_eval_end_to_end(tmp_path, capsys):
-    from flsmem.cli import main
+    from flsmem.harness.cli import main
 
     out = tmp_path / "eval.json"
     plot = tmp_path / "eval.png"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import regime
+from flsmem.harness import regime
 
 FULL_RESULTS = Path(__file__).resolve().parents[1] / "results" / "regime" / "regime.json"
 # Differences in the full run larger than these are "an ordering" the quick run must keep:

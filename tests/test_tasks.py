@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from models.data import ByteTokenizer, load_split
-from models.tasks import EARLY, LATE, QUERY, REPEAT, TASKS, make_tasks, mixed_tasks
+from flsmem.models.data import ByteTokenizer, load_split
+from flsmem.models.tasks import EARLY, LATE, QUERY, REPEAT, TASKS, make_tasks, mixed_tasks
 
 TOKENIZER = ByteTokenizer()
 TEXT = TOKENIZER.encode(load_split("validation"))

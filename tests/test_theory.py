@@ -4,7 +4,7 @@
   iterated to convergence from several starting variances, the kalman policy's own
   variance after many queries, and a Monte-Carlo run of the local-level model whose
   empirical error variances must be the Riccati fixed point.
-* ``harness.drift --quick`` must reproduce its three claims: the measured error of
+* ``flsmem.harness.drift --quick`` must reproduce its three claims: the measured error of
   every EMA decay is theory's, the crossover between an accumulating and a measuring
   decay is where theory puts it, and the adaptive filter is within 2% of the best fixed
   decay at every q/r.
@@ -18,7 +18,7 @@ import pytest
 import flsmem
 from flsmem import policies as P
 from flsmem import theory
-from harness import drift
+from flsmem.harness import drift
 
 RATIOS = (0.0, 1e-4, 0.01, 0.3, 1.0, 10.0, 1e3)
 

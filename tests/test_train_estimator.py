@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from flsmem import estimator as E
-from harness import learned as L
-from train import train_estimator as T
+from flsmem.harness import learned as L
+from flsmem.train import train_estimator as T
 
 
 def _options(tmp_path, **changes):

@@ -7,7 +7,7 @@ import pytest
 from jax.experimental import checkify
 
 import flsmem
-from flsmem import checks, validate
+from flsmem import checks
 from flsmem import policies as P
 from flsmem import testing
 
@@ -70,9 +70,9 @@ def test_inconsistent_states_are_rejected_at_trace_time(edit, match):
 
 
 def test_state_without_payload_is_accepted():
-    """Per-query loops carry the state without its payload (models.decoder does)."""
+    """Per-query loops carry the state without its payload (flsmem.models.decoder does)."""
     state = _memory(budget=4)
-    validate.check_state(state.replace(payload=None))
+    flsmem.check_state(state.replace(payload=None))
 
 
 # ----------------------------------------------------------------- checkify

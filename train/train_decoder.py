@@ -1,13 +1,13 @@
 """Train the byte-level ``TINY`` decoder on the Austen training books.
 
-Run ``python -m train.train_decoder --help`` for the options. The defaults are the
+Run ``python -m flsmem.train.train_decoder --help`` for the options. The defaults are the
 settings of the shipped checkpoint; this reproduces it (about 14 minutes on 2 CPU cores)::
 
-    python -m train.train_decoder --export checkpoints/tiny-austen
+    python -m flsmem.train.train_decoder --export checkpoints/tiny-austen
 
 What it does:
 
-* next-byte cross-entropy on random windows of the train split (:mod:`models.data`),
+* next-byte cross-entropy on random windows of the train split (:mod:`flsmem.models.data`),
   AdamW with linear warmup, cosine decay and gradient clipping, in one jitted step over
   the pure parameter state (``nnx.split`` once, ``nnx.merge`` inside the step);
 * validation loss and bits per byte on Northanger Abbey every ``--eval-every`` steps,
@@ -17,9 +17,9 @@ What it does:
   started again with the same command continues exactly where the last checkpoint was
   (bit for bit the same parameters as a run that was never stopped);
 * ``--export DIR`` writes the final parameters alone, read back by
-  :func:`models.tiny.load_tiny`.
+  :func:`flsmem.models.tiny.load_tiny`.
 
-``--data tasks`` trains on the controlled recall tasks of :mod:`models.tasks` instead
+``--data tasks`` trains on the controlled recall tasks of :mod:`flsmem.models.tasks` instead
 (prose of the train split with pairs and queries inserted), with the answer digits
 weighted ``1 + --answer-weight`` in the loss, usually starting from a text model given
 by ``--init``; validation then also reports each task's answer accuracy on Northanger
@@ -46,11 +46,11 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from models.data import ByteTokenizer, eval_windows, load_split, random_windows
-from models.decoder import TINY, Decoder, DecoderConfig
-from models.tasks import LATE, TASKS, make_tasks, mixed_tasks
-from models.tiny import load_params, save_params
-from train.resumable import Checkpoints, stop_on_sigterm
+from flsmem.models.data import ByteTokenizer, eval_windows, load_split, random_windows
+from flsmem.models.decoder import TINY, Decoder, DecoderConfig
+from flsmem.models.tasks import LATE, TASKS, make_tasks, mixed_tasks
+from flsmem.models.tiny import load_params, save_params
+from flsmem.train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "evaluate", "task_accuracy", "bits_per_byte", "main"]
 
@@ -85,13 +85,13 @@ class TrainOptions:
       export: where to write the final parameters for ``load_tiny``; None writes none.
       progress: show the tqdm progress bar.
       data: ``"text"`` (plain windows of the train split) or ``"tasks"`` (the controlled
-        recall tasks of :mod:`models.tasks` embedded in train-split prose).
-      init: start from the parameters saved in this folder (:func:`models.tiny.save_params`)
+        recall tasks of :mod:`flsmem.models.tasks` embedded in train-split prose).
+      init: start from the parameters saved in this folder (:func:`flsmem.models.tiny.save_params`)
         instead of a random initialisation; None starts from scratch.
       answer_weight: extra loss weight of answer digits in ``"tasks"`` data (each answer
         byte counts ``1 + answer_weight`` bytes).
       task_eval: validation examples per task for the answer accuracy (``"tasks"`` only).
-      tasks: the task kinds of ``"tasks"`` data (names from :data:`models.tasks.TASKS`).
+      tasks: the task kinds of ``"tasks"`` data (names from :data:`flsmem.models.tasks.TASKS`).
       fresh_tokens: bytes whose embeddings are drawn afresh after ``init`` is loaded. The
         task symbols never occur in the books, so a text model has learnt nearly the same
         embedding for all of them (the softmax only ever pushed them down together); new
@@ -230,7 +230,7 @@ def task_accuracy(model: Decoder, batches, batch: int = 16) -> dict[str, float]:
 
     Args:
       model: the decoder.
-      batches: :class:`models.tasks.TaskBatch` values, one per task.
+      batches: :class:`flsmem.models.tasks.TaskBatch` values, one per task.
       batch: windows per forward pass.
     """
     graphdef, params = nnx.split(model)
@@ -276,7 +276,7 @@ def evaluate(model: Decoder, tokens: np.ndarray, *, length: int, count: int | No
       model: the decoder.
       tokens: 1-D byte ids of the text to score.
       length: window length T.
-      count: windows (:func:`models.data.eval_windows`); None takes every window that fits.
+      count: windows (:func:`flsmem.models.data.eval_windows`); None takes every window that fits.
       batch: windows per forward pass.
 
     Returns:
@@ -428,7 +428,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
 def _parser() -> argparse.ArgumentParser:
     defaults = TrainOptions()
     p = argparse.ArgumentParser(
-        prog="python -m train.train_decoder",
+        prog="python -m flsmem.train.train_decoder",
         description="Train the byte-level TINY decoder on the Austen train books.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -453,14 +453,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, metavar="DIR", help="write the final parameters here for load_tiny")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     p.add_argument("--data", default=defaults.data, choices=("text", "tasks"),
-                   help="plain prose, or the controlled recall tasks of models.tasks")
+                   help="plain prose, or the controlled recall tasks of flsmem.models.tasks")
     p.add_argument("--init", default=None, metavar="DIR", help="start from parameters saved here (else random)")
     p.add_argument("--answer-weight", type=float, default=defaults.answer_weight,
                    help="extra loss weight of answer digits (--data tasks)")
     p.add_argument("--fresh-tokens", default=defaults.fresh_tokens,
                    help="characters whose embeddings are redrawn after --init (the task symbols)")
     p.add_argument("--tasks", type=lambda text: tuple(text.split(",")), default=defaults.tasks,
-                   help="comma-separated task kinds of --data tasks (default: all of models.tasks.TASKS)")
+                   help="comma-separated task kinds of --data tasks (default: all of flsmem.models.tasks.TASKS)")
     p.add_argument("--task-eval", type=int, default=defaults.task_eval,
                    help="validation examples per task for the answer accuracy (--data tasks)")
     return p

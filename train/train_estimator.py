@@ -1,6 +1,6 @@
 """Pretrain the learned importance estimator offline, on traces of the training split.
 
-Run ``python -m train.train_estimator --help`` for the options; the shipped checkpoint's
+Run ``python -m flsmem.train.train_estimator --help`` for the options; the shipped checkpoint's
 command is in ``checkpoints/estimator/README.md``.
 
 Offline pretraining is the online rule run over many more streams than one serving
@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from flsmem import estimator as E
 from flsmem import policies as P
-from train.resumable import Checkpoints, stop_on_sigterm
+from flsmem.train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
 
@@ -135,30 +135,30 @@ class _Source:
     """A model and how to draw a batch of training windows for it."""
 
     def __init__(self, name: str, options: EstimatorOptions):
-        from models.data import ByteTokenizer, load_split
+        from flsmem.models.data import ByteTokenizer, load_split
 
         self.name = name
         text = load_split("train")
         if name == "tasks":
-            from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+            from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
 
             self.model = load_tiny(TASKS_CHECKPOINT_DIR)[0]
             self.tokens, self.context, self.count = ByteTokenizer().encode(text), options.task_context, options.windows
         elif name == "tiny":
-            from models.tiny import load_tiny
+            from flsmem.models.tiny import load_tiny
 
             self.model = load_tiny()[0]
             self.tokens, self.context, self.count = ByteTokenizer().encode(text), options.text_context, options.windows
         else:
-            from models.smollm2 import load_smollm2
+            from flsmem.models.smollm2 import load_smollm2
 
             self.model, tokenizer = load_smollm2()
             self.tokens = np.asarray(tokenizer.encode(text), np.int32)
             self.context, self.count = options.text_context, max(1, options.windows // 4)
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
-        from models.data import random_windows
-        from models.tasks import TASKS, make_tasks
+        from flsmem.models.data import random_windows
+        from flsmem.models.tasks import TASKS, make_tasks
 
         if self.name == "tasks":
             kind = TASKS[int(rng.integers(len(TASKS)))]
@@ -180,7 +180,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     checkpoint there and returns early (without ``--out``), so a job told to stop
     (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
     last checkpoint, at most ``save_every`` batches back."""
-    from harness.evaluate import evaluate_windows, future_attention
+    from flsmem.harness.evaluate import evaluate_windows, future_attention
 
     policy = E.learned(horizon=options.horizon, snapshots=options.snapshots, label=options.label,
                        loss=options.loss, prior=options.prior, learning_rate=options.learning_rate,
@@ -247,7 +247,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
 
 def _parser() -> argparse.ArgumentParser:
     d = EstimatorOptions()
-    p = argparse.ArgumentParser(prog="python -m train.train_estimator",
+    p = argparse.ArgumentParser(prog="python -m flsmem.train.train_estimator",
                                 description="Pretrain the learned importance estimator on training-split traces.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--batches", type=int, default=d.batches, help="window batches in the whole run")

@@ -25,8 +25,8 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 
-from harness import evaluate, report
-from models.data import load_book
+from flsmem.harness import evaluate, report
+from flsmem.models.data import load_book
 
 SETTINGS = {
     # A few policies, two short windows: about half a minute on a 2-core CPU.
@@ -40,7 +40,7 @@ print(SETTINGS)
 # %% [markdown]
 # ## Model and text
 #
-# `harness.report` has the loaders `flsmem eval` uses: the model with its tokenizer (one
+# `flsmem.harness.report` has the loaders `flsmem eval` uses: the model with its tokenizer (one
 # token per byte), and evenly spaced windows of `context + 1` tokens from the held-out
 # book.
 

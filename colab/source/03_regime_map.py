@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from flsmem import theory
-from harness import drift, regime
+from flsmem.harness import drift, regime
 
 print(f"SIZE = {SIZE!r}: drift plan {'QUICK' if SIZE == 'small' else 'FULL'}")
 
@@ -68,7 +68,7 @@ plt.show()
 # %% [markdown]
 # ## 2. The library's filters on drifting utilities
 #
-# `harness.drift.run` streams such utilities through flsmem's own `write`, `observe` and
+# `flsmem.harness.drift.run` streams such utilities through flsmem's own `write`, `observe` and
 # `smooth`, one query per step, under `ema` at a grid of decays and under the adaptive
 # `kalman` policy, which starts from default noise settings and estimates `q / r` from its
 # own innovations. It then checks the measured errors against `theory`. Small runs the

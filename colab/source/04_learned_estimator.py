@@ -46,7 +46,7 @@ print(SETTINGS)
 # ## The shipped estimator
 #
 # `checkpoints/estimator` holds the weights pretrained by
-# `python -m train.train_estimator` (the command and its settings are in that folder's
+# `python -m flsmem.train.train_estimator` (the command and its settings are in that folder's
 # README) and the settings they were trained with. `estimator.from_checkpoint` turns them
 # into a policy like any other; `online=True` keeps it learning while it serves.
 
@@ -145,7 +145,7 @@ plt.show()
 # ## Offline pretraining
 #
 # Pretraining is the same online rule run over many more streams than one serving run
-# sees. `train.train_estimator.train` streams batches of training-split windows through
+# sees. `flsmem.train.train_estimator.train` streams batches of training-split windows through
 # a model under the `learned` policy, lets the estimator take its steps as labels
 # mature, and carries what it learned to the next batch (`estimator.carry_over`). It
 # writes orbax checkpoints in `workdir` (a killed run resumes from them) and, with
@@ -156,7 +156,7 @@ plt.show()
 
 # %%
 scratch_dir = pathlib.Path(tempfile.mkdtemp(prefix="flsmem-estimator-"))
-from train.train_estimator import EstimatorOptions, train
+from flsmem.train.train_estimator import EstimatorOptions, train
 
 options = EstimatorOptions(
     batches=SETTINGS["pretrain_batches"], sources=("tasks",), fractions=(1 / 16,), windows=SETTINGS["pretrain_windows"],
@@ -188,10 +188,10 @@ assert same
 # The score is the accuracy of the answers after the gap.
 
 # %%
-from harness.evaluate import evaluate_windows
-from models.data import ByteTokenizer, load_split
-from models.tasks import LATE, make_tasks
-from models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+from flsmem.harness.evaluate import evaluate_windows
+from flsmem.models.data import ByteTokenizer, load_split
+from flsmem.models.tasks import LATE, make_tasks
+from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
 
 task_model = load_tiny(TASKS_CHECKPOINT_DIR)[0]
 held_out = ByteTokenizer().encode(load_split("test"))

@@ -1,9 +1,11 @@
-"""The ``flsmem`` command line."""
+"""The ``flsmem`` command line: ``demo``, ``eval``, ``regime`` and ``learned``.
+
+It drives the layers above the library (models and the evaluation harness), so it lives
+with them; the library itself never imports it."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Sequence
 
 __all__ = ["main"]
@@ -40,16 +42,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     learned = commands.add_parser(
         "learned", help="the learned estimator against rmm, h2o, tova, snapkv and the oracle, tasks and text"
     )
-    # The harness ships with the repository, beside the core library, which never needs it.
-    has_harness = importlib.util.find_spec("harness") is not None
-    if has_harness:
-        from harness import learned as learned_module
-        from harness import regime as regime_module
-        from harness.report import add_arguments
+    from flsmem.harness import learned as learned_module
+    from flsmem.harness import regime as regime_module
+    from flsmem.harness.report import add_arguments
 
-        add_arguments(evaluate)
-        regime_module.add_arguments(regime)
-        learned_module.add_arguments(learned)
+    add_arguments(evaluate)
+    regime_module.add_arguments(regime)
+    learned_module.add_arguments(learned)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -57,10 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.steps < 2 or args.streams < 1:
             parser.error("--steps must be >= 2 and --streams >= 1")
         run_demo(args.budgets, args.steps, args.streams, args.seed, args.plot or None, args.json)
-    elif not has_harness:
-        parser.error(f"flsmem {args.command} needs the harness and models packages of the flsmem repository")
     elif args.command == "eval":
-        from harness.report import run
+        from flsmem.harness.report import run
 
         run(args)
     elif args.command == "learned":
