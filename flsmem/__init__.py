@@ -2,15 +2,21 @@
 
 A memory is an immutable pytree (:class:`MemoryState`) changed by pure functions:
 ``init``, ``write``, ``observe``, ``smooth``, ``evict`` (and ``update``, which runs the
-last three query by query). A :class:`MemoryConfig` holds the static settings, among
+last three query by query). An attention layer uses the door of :mod:`flsmem.attention`:
+``init_kv`` makes a KV memory, ``attend`` writes a step's keys and values, attends and
+folds the evidence, ``compress`` cuts a prefilled memory to its budget;
+:mod:`flsmem.layers` handles every layer's memories stacked (``place``,
+``update_layers``). A :class:`MemoryConfig` holds the static settings, among
 them the :mod:`flsmem.policies` policy. :mod:`flsmem.checks` runs the same functions
 with runtime value checks (checkify); :mod:`flsmem.checkpoint` saves and restores a
 memory with orbax; :mod:`flsmem.sharding` places one on a device mesh.
 """
 
 from flsmem import checkpoint, checks, kernels, policies, sharding, theory
+from flsmem.attention import attend, compress
 from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
+from flsmem.layers import init_kv, place, update_layers
 from flsmem.observe import observe, reduce_query_heads
 from flsmem.smooth import smooth
 from flsmem.state import MemoryState, MemoryStats, age, check_state, init, occupancy, present, summary, visible
@@ -24,14 +30,18 @@ __all__ = [
     "MemoryState",
     "MemoryStats",
     "age",
+    "attend",
     "check_state",
     "checkpoint",
+    "compress",
     "checks",
     "evict",
     "init",
+    "init_kv",
     "kernels",
     "observe",
     "occupancy",
+    "place",
     "policies",
     "present",
     "priority",
@@ -42,6 +52,7 @@ __all__ = [
     "summary",
     "theory",
     "update",
+    "update_layers",
     "visible",
     "write",
 ]

@@ -37,7 +37,7 @@ from flax import nnx
 import flsmem
 from flsmem import estimator as E
 from flsmem import policies as P
-from flsmem.models.decoder import Decoder, init_memories, update_memories
+from flsmem.models.decoder import Decoder, init_memories
 
 __all__ = [
     "CORRECTNESS",
@@ -202,19 +202,15 @@ def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness,
     start = 0
     if prefill:
         memories, attention, (nll, hit), weight = forward(memories, 0, prefill)
-
-        def compress(xs):
-            memory, att, fut = xs
-            return flsmem.evict(flsmem.smooth(flsmem.observe(memory, att, weight, fut)), budget=config.budget)
-
-        memories = jax.lax.map(compress, (memories, attention, gather_future(memories, 0, prefill)))
+        memories = flsmem.compress(memories, attention, weight, gather_future(memories, 0, prefill),
+                                   budget=config.budget)
         nll_parts.append(nll)
         hit_parts.append(hit)
         start = prefill
 
     def body(memories, t0):
         memories, attention, nll, weight = forward(memories, t0, chunk)
-        memories = update_memories(memories, attention, weight, gather_future(memories, t0, chunk))
+        memories = flsmem.update_layers(memories, attention, weight, gather_future(memories, t0, chunk))
         return memories, (nll, attention if collect else None)
 
     starts = jnp.arange(start, steps, chunk, dtype=jnp.int32)

@@ -5,10 +5,11 @@ grouped-query attention and a SwiGLU MLP. One code path serves two uses:
 
 * ``model(tokens)``: plain causal self-attention over the sequence (training, and the
   reference that the memory path must reproduce with the ``full`` policy);
-* ``model(tokens, positions, memories)``: each layer writes its new keys and values
-  into its memory, attends over the memory's visible slots, and returns the attention
-  (query heads reduced per KV head by the memory's policy) that ``flsmem.update``
-  folds in once the caller knows how correct the predictions were.
+* ``model(tokens, positions, memories)``: each layer hands its queries, keys and values
+  to :func:`flsmem.attend`, the same public door a user's own attention layer uses,
+  and returns the attention (query heads reduced per KV head by the memory's policy)
+  that :func:`flsmem.update_layers` folds in once the caller knows how correct the
+  predictions were.
 
 The cache goes in and out explicitly: ``(tokens, memories) -> (logits, memories,
 attention)``.
@@ -24,9 +25,8 @@ from flax import nnx
 
 import flsmem
 from flsmem.typing import Array, Float, Int
-from flsmem.write import write_slots
 
-__all__ = ["DecoderConfig", "Decoder", "TINY", "SMOLLM2_135M", "init_memories", "update_memories", "rope"]
+__all__ = ["DecoderConfig", "Decoder", "TINY", "SMOLLM2_135M", "init_memories", "rope"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +117,9 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, memories: flsmem.MemoryState | None, window: int | None = None,
                  layer=None, placed=None):
         """Attention of ``x``; with ``memories`` (all layers', stacked) the new keys and
-        values go into layer ``layer``'s memory and the queries attend over it.
-        ``placed``: this layer's ``(target slots, visible mask)`` when the memory's
-        bookkeeping was done for all layers at once (:func:`_place`), else None."""
+        values go into layer ``layer``'s memory and the queries attend over it
+        (:func:`flsmem.attend`). ``placed``: this layer's placement from
+        :func:`flsmem.place` when the bookkeeping was done for all layers at once."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
@@ -133,59 +133,10 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
             out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
             return self.o(out.reshape(b, t, -1)), None, None
-        kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
-        if placed is None:
-            # This layer's bookkeeping here, since the policy's new evidence reads the
-            # payload. The payload in `memory` is only read for its shapes, so its slice
-            # is never made.
-            memory = jax.tree.map(lambda a: a[layer], memories)
-            memory, target = write_slots(memory, kv, positions)
-            visible = flsmem.visible(memory, t)
-            memories = jax.tree.map(
-                lambda stacked, one: stacked.at[layer].set(one),
-                memories.replace(payload=None), memory.replace(payload=None),
-            ).replace(payload=memories.payload)
-        else:
-            target, visible = placed
-        # The caches of all layers stay in one stacked array, carried through the layer
-        # loop: the new items are written there in place. (Taking this layer's cache out
-        # and putting it back would copy it twice per step.)
-        bi = jnp.arange(b)[:, None, None]
-        ki = jnp.arange(cfg.kv_heads)[None, :, None]
-        payload = jax.tree.map(
-            lambda cache, new: cache.at[layer, bi, ki, target].set(new.astype(cache.dtype), mode="drop"),
-            memories.payload, kv,
-        )
-        logits = jnp.einsum("BTKGD,BKSD->BKGTS", q, payload["k"][layer]) * scale
-        probs = jax.nn.softmax(jnp.where(visible[:, :, None], logits, -jnp.inf), axis=-1)  # visible [B, K, 1, T, S]
-        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, payload["v"][layer])
-        attention = flsmem.reduce_query_heads(probs, memories.config.policy)  # [B, K, T, S]
-        return self.o(out.reshape(b, t, -1)), memories.replace(payload=payload), attention
-
-
-def _place(memories: flsmem.MemoryState, positions):
-    """The memory bookkeeping of a write in every layer at once, before the layer loop.
-
-    Where the new items go, and what each query may see, depend on the memories only,
-    not on the keys and values the layers are about to compute (for policies whose new
-    evidence does not read them), so the L layers of B sequences are written as one
-    memory of L * B sequences: a few operations instead of a few per layer.
-
-    Returns:
-      ``(memories, (target [L, B, K, T], visible [L, B, K, T, S]))``; the payload is
-      left for each layer to write at ``target``.
-    """
-    depth, batch = memories.step.shape
-    t = positions.shape[1]
-    fold = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
-    unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731
-    flat = jax.tree.map(fold, memories)
-    # Read for their shapes only: nothing computed from them is kept.
-    items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
-    flat, target = write_slots(flat, items, jnp.tile(positions, (depth, 1)))  # row l * B + b is sequence b
-    visible = flsmem.visible(flat, t)
-    memories = jax.tree.map(unfold, flat.replace(payload=None)).replace(payload=memories.payload)
-    return memories, (unfold(target), unfold(visible))
+        out, memories, attention = flsmem.attend(
+            memories, q.reshape(b, t, cfg.q_heads, cfg.head_dim), k, v, positions,
+            fold=False, layer=layer, placement=placed)
+        return self.o(out.reshape(b, t, -1)), memories, attention
 
 
 class MLP(nnx.Module):
@@ -251,7 +202,7 @@ class Decoder(nnx.Module):
 
         Returns:
           ``(logits [B, T, V], memories, attention)``; with memories, ``attention`` is
-          ``[L, B, K, T, S]`` for :func:`update_memories`; else both are None.
+          ``[L, B, K, T, S]`` for :func:`flsmem.update_layers`; else both are None.
         """
         if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
             raise ValueError(f"tokens must be an int array [B, T], got {jnp.result_type(tokens)}{list(jnp.shape(tokens))}")
@@ -276,7 +227,7 @@ class Decoder(nnx.Module):
 
         placed = None
         if memories is not None and memories.config.policy.init_evidence is None:
-            memories, placed = _place(memories, positions)
+            memories, placed = flsmem.place(memories, positions)
 
         # The memories ride in the carry (updated in place at each layer's index), not
         # in the scanned inputs and outputs, which would copy every cache per step.
@@ -296,71 +247,4 @@ class Decoder(nnx.Module):
 
 def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32) -> flsmem.MemoryState:
     """Empty KV memories of every layer, stacked on a leading layer axis ``[L, ...]``."""
-    spec = {"k": (cfg.head_dim,), "v": (cfg.head_dim,)}
-    one = flsmem.init(config, batch, cfg.kv_heads, spec, dtype)
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (cfg.depth,) + x.shape), one)
-
-
-def update_memories(memories, attention, correctness=None, future=None):
-    """``flsmem.update`` for every layer of stacked memories.
-
-    Args:
-      memories: stacked memories ``[L, ...]``.
-      attention: ``[L, B, K, Q, S]`` from the decoder, or ``[L, B, K, S]`` for one query.
-      correctness: ``[B, Q]`` (or ``[B]``), shared by the layers.
-      future: ``[L, B, K, Q, S]`` for the oracle, else None.
-    """
-    # No step touches the payload (the keys and values): keep it out of the loops below,
-    # which would otherwise copy every layer's cache once more per step.
-    payload = memories.payload
-    memories = memories.replace(payload=None)
-    rows = _state_is_per_row(memories)
-    if jnp.ndim(attention) == 4 and rows:  # one query: [L, B, K, S]
-        memories = _update_one_query(memories, attention, correctness, future)
-    elif jnp.ndim(attention) == 4:
-        # A policy state shared by a layer's rows (the learned estimator's network) cannot
-        # be folded into rows: one query per layer, as a chunk of one.
-        expand = lambda x: None if x is None else x[:, :, :, None]  # noqa: E731
-        return update_memories(memories.replace(payload=payload), expand(attention),
-                               None if correctness is None else jnp.reshape(correctness, (-1, 1)), expand(future))
-    elif jnp.shape(attention)[3] == 1 and (correctness is None or jnp.ndim(correctness) == 2) and rows:
-        squeeze = lambda x: None if x is None else x[:, :, :, 0]  # noqa: E731
-        memories = _update_one_query(memories, squeeze(attention),
-                                     None if correctness is None else correctness[:, 0], squeeze(future))
-    else:
-        # A chunk: query by query in every layer. A loop over layers (not vmap) keeps
-        # each layer's eviction a real branch; each layer's memory is written back in
-        # place (lax.map would stack a fresh copy of every layer's state at every step).
-        def layer(i, memories):
-            at = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
-            one = flsmem.update(jax.tree.map(at, memories), at(attention), correctness, at(future))
-            return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), memories, one)
-
-        memories = jax.lax.fori_loop(0, attention.shape[0], layer, memories)
-    return memories.replace(payload=payload)
-
-
-def _state_is_per_row(memories) -> bool:
-    """Whether every entry of the policy state has one row per sequence (axis 1 after
-    the layers), so the L layers of B sequences can be updated as L * B rows; a shared
-    entry (the learned estimator's network) cannot be folded."""
-    specs = flsmem.state.aux_axes(memories)
-    return specs is None or all(len(spec) and spec[0] == "batch" for spec in jax.tree.leaves(specs))
-
-
-def _update_one_query(memories, attention, correctness, future):
-    """``flsmem.update`` of one query in every layer: the decode hot path.
-
-    Every step of the memory treats each batch row on its own, so the L layers of B
-    sequences are updated as one memory of L * B sequences: a few large operations
-    instead of a few small ones per layer, and one real branch around eviction (due
-    in every layer at the same steps) instead of one per layer.
-    """
-    depth, batch = memories.step.shape
-    fold = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
-    unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731
-    if correctness is not None:
-        correctness = jnp.tile(jnp.asarray(correctness), depth)  # row l * B + b is sequence b
-    flat = jax.tree.map(fold, memories)
-    flat = flsmem.update(flat, fold(attention), correctness, None if future is None else fold(future))
-    return jax.tree.map(unfold, flat)
+    return flsmem.init_kv(config, batch, cfg.kv_heads, cfg.head_dim, layers=cfg.depth, dtype=dtype)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import flsmem
-from flsmem.models.decoder import Decoder, init_memories, update_memories
+from flsmem.models.decoder import Decoder, init_memories
 
 __all__ = ["generate", "decode_step", "decode_loop"]
 
@@ -24,7 +24,7 @@ def _prefill(model, memories, prompt, start, correctness):
     logits, memories, attention = model(prompt, positions, memories)
     logp = jax.nn.log_softmax(logits, axis=-1)
     weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b, q))
-    return update_memories(memories, attention, weight), logits[:, -1]
+    return flsmem.update_layers(memories, attention, weight), logits[:, -1]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config", "steps", "correctness"))
@@ -60,7 +60,7 @@ def decode_step(model, memories, logits, t, correctness="confidence"):
     out, memories, attention = model(token[:, None], jnp.full((b, 1), t, jnp.int32), memories)
     logp = jax.nn.log_softmax(out[:, 0], axis=-1)
     weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b,))
-    memories = update_memories(memories, attention[:, :, :, 0], weight)
+    memories = flsmem.update_layers(memories, attention[:, :, :, 0], weight)
     return memories, out[:, 0], token
 
 

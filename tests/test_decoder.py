@@ -10,7 +10,7 @@ from flax import nnx
 
 import flsmem
 from flsmem import policies as P
-from flsmem.models.decoder import Decoder, DecoderConfig, init_memories, rope, update_memories
+from flsmem.models.decoder import Decoder, DecoderConfig, init_memories, rope
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
 MODEL = Decoder(CFG, nnx.Rngs(0))
@@ -29,7 +29,7 @@ def stream_logits(params, tokens, config, chunk):
     def step(memories, start):
         positions = jnp.broadcast_to(start + jnp.arange(chunk)[None, :], (b, chunk))
         logits, memories, attention = model(jax.lax.dynamic_slice_in_dim(tokens, start, chunk, 1), positions, memories)
-        return update_memories(memories, attention), logits
+        return flsmem.update_layers(memories, attention), logits
 
     _, logits = jax.lax.scan(step, init_memories(CFG, config, b), jnp.arange(0, t, chunk))
     return jnp.moveaxis(logits, 0, 1).reshape(b, t, -1)

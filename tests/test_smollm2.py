@@ -140,7 +140,7 @@ def test_memory_path_with_full_policy_matches_plain_forward(loaded, persuasion):
     @jax.jit
     def step(state, memories):
         logits, memories, attention = nnx.merge(graphdef, state)(tokens, positions, memories)
-        return logits, decoder.update_memories(memories, attention)
+        return logits, flsmem.update_layers(memories, attention)
 
     logits, memories = step(state, memories)
     assert logits.shape == (1, t, model.cfg.vocab_size)

@@ -1,0 +1,107 @@
+"""The public attention door: the README's own attention layer gives the decoder's numbers."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flsmem
+from flsmem import policies as P
+from flsmem.models.decoder import Decoder, DecoderConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CFG = DecoderConfig(vocab_size=64, width=32, depth=1, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
+
+
+def _readme_namespace() -> dict:
+    """The README's example of a user's own attention module, executed as printed."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    block = next(b for b in blocks if "class MyAttention" in b)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    return namespace
+
+
+def _decoder_attention():
+    """Layer 0's attention module of a one-layer decoder with random weights."""
+    model = Decoder(CFG, nnx.Rngs(3))
+    graphdef, stacked = nnx.split(model.blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[0], stacked)).attn
+
+
+@pytest.mark.parametrize("policy", [P.h2o(recent=4), P.key_norm()], ids=["h2o", "key_norm"])
+def test_readme_attention_matches_the_decoder(policy):
+    """The README's module (fused projections, its own rotary code, a single memory,
+    evidence folded inside attend) and the decoder's attention (stacked memories, its
+    rotary code, evidence folded after the step with update_layers) give the same
+    outputs and keep the same items, step by step, through several evictions."""
+    ns = _readme_namespace()
+    reference = _decoder_attention()
+    mine = ns["MyAttention"](CFG.width, CFG.q_heads, CFG.kv_heads, CFG.head_dim, rngs=nnx.Rngs(0))
+    fused = jnp.concatenate([reference.q.kernel[...], reference.k.kernel[...], reference.v.kernel[...]], axis=1)
+    mine.qkv.kernel[...] = fused
+    mine.out.kernel[...] = reference.o.kernel[...]
+
+    config = flsmem.MemoryConfig(policy=policy, budget=12, evict_every=4)
+    stacked = flsmem.init_kv(config, 2, CFG.kv_heads, CFG.head_dim, layers=1)
+    single = flsmem.init_kv(config, 2, CFG.kv_heads, CFG.head_dim)
+
+    @nnx.jit
+    def decoder_step(module, x, position, memories):
+        out, memories, attention = module(x, position, memories, None, 0, None)
+        return out, flsmem.update_layers(memories, attention[None])  # the layer axis a scan adds
+
+    @nnx.jit
+    def readme_step(module, x, position, memory):
+        return module(x, position, memory)
+
+    xs = jax.random.normal(jax.random.key(5), (40, 2, 1, CFG.width))
+    for t in range(40):
+        position = jnp.full((2, 1), t, jnp.int32)
+        want, stacked = decoder_step(reference, xs[t], position, stacked)
+        got, single = readme_step(mine, xs[t], position, single)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    held = lambda m: np.sort(np.where(m.valid, m.position, -1), axis=-1)  # noqa: E731
+    np.testing.assert_array_equal(held(single), held(stacked)[0])
+    assert int(flsmem.summary(single)["evictions"].sum()) > 0
+
+
+def test_compress_keeps_the_budget_in_every_layer():
+    """A prefill of 24 items compressed to 8 keeps 8 per row, in one layer or stacked."""
+    config = flsmem.MemoryConfig(policy=P.h2o(recent=2), budget=8, evict_every=17, max_chunk=24)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 24, 4, 8))
+    k, v = (jax.random.normal(key, (1, 24, 2, 8)) for key in keys[1:])
+    position = jnp.arange(24, dtype=jnp.int32)[None]
+    one = flsmem.init_kv(config, 1, 2, 8)
+    _, one, evidence = flsmem.attend(one, q, k, v, position, fold=False)
+    one = flsmem.compress(one, evidence, budget=8)
+    np.testing.assert_array_equal(flsmem.occupancy(one), 8)
+    two = flsmem.init_kv(config, 1, 2, 8, layers=2)
+    for layer in range(2):
+        _, two, att = flsmem.attend(two, q, k, v, position, fold=False, layer=layer)
+    two = flsmem.compress(two, jnp.stack([att, att]), budget=8)
+    np.testing.assert_array_equal(jax.vmap(flsmem.occupancy)(two), 8)
+    np.testing.assert_array_equal(two.position[0], one.position)
+
+
+def test_attend_rejects_bad_arguments():
+    config = flsmem.MemoryConfig(policy=P.h2o(), budget=8)
+    memory = flsmem.init_kv(config, 1, 2, 8)
+    q, kv, position = jnp.zeros((1, 1, 4, 8)), jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 1), jnp.int32)
+    with pytest.raises(ValueError, match="k and v must be"):
+        flsmem.attend(memory, q, jnp.zeros((1, 1, 3, 8)), kv, position)
+    with pytest.raises(ValueError, match="q must be"):
+        flsmem.attend(memory, jnp.zeros((1, 1, 3, 8)), kv, kv, position)
+    with pytest.raises(ValueError, match="layer must be given exactly when"):
+        flsmem.attend(memory, q, kv, kv, position, layer=0)
+    with pytest.raises(ValueError, match="KV memory"):
+        flsmem.attend(flsmem.init(config, 1, 2, {"x": (8,)}), q, kv, kv, position)
+    with pytest.raises(ValueError, match="with fold=False pass it to flsmem.update"):
+        flsmem.attend(memory, q, kv, kv, position, fold=False, correctness=jnp.ones((1, 1)))
+    with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
+        flsmem.init_kv(config, 1, 2, 0)
