@@ -74,23 +74,8 @@ def attend(
     """
     b, t, kv_heads, head_dim = _check_qkv(memory, q, k, v, layer)
     kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
-    if layer is None:
-        if placement is not None:
-            validate.fail("placement comes from flsmem.place for stacked memories; pass layer with it")
-        memory, target = write_slots(memory, kv, position)
-        seen = visible(memory, t)
-        index = ()
-    else:
-        memory, (target, seen) = _place_layer(memory, kv, position, layer, placement)
-        index = (layer,)
-    bi = jnp.arange(b)[:, None, None]
-    ki = jnp.arange(kv_heads)[None, :, None]
-    payload = jax.tree.map(
-        lambda cache, new: cache.at[index + (bi, ki, target)].set(new.astype(cache.dtype), mode="drop"),
-        memory.payload, kv,
-    )
-    memory = memory.replace(payload=payload)
-    keys, values = (payload[name][layer] if layer is not None else payload[name] for name in ("k", "v"))
+    memory, seen = _write(memory, kv, position, layer, placement)
+    keys, values = (memory.payload[name] if layer is None else memory.payload[name][layer] for name in ("k", "v"))
     grouped = q.reshape(b, t, kv_heads, -1, head_dim)
     logits = jnp.einsum("BTKGD,BKSD->BKGTS", grouped, keys) * (head_dim ** -0.5 if scale is None else scale)
     probs = jax.nn.softmax(jnp.where(seen[:, :, None], logits, -jnp.inf), axis=-1)
@@ -101,6 +86,29 @@ def attend(
     elif correctness is not None:
         validate.fail("correctness weighs the evidence folded here; with fold=False pass it to flsmem.update")
     return out, memory, evidence
+
+
+def _write(memory, kv, position, layer, placement):
+    """The memory with the new keys and values written, and what each query may see."""
+    if layer is None:
+        if placement is not None:
+            validate.fail("placement comes from flsmem.place for stacked memories; pass layer with it")
+        memory, target = write_slots(memory, kv, position)
+        seen = visible(memory, jnp.shape(position)[-1])
+        index = ()
+    else:
+        memory, (target, seen) = _place_layer(memory, kv, position, layer, placement)
+        index = (layer,)
+    b, kv_heads = memory.valid.shape[-3:-1]
+    bi = jnp.arange(b)[:, None, None]
+    ki = jnp.arange(kv_heads)[None, :, None]
+    # Every layer's cache stays in one stacked array: the new items are written there in
+    # place, never copied out and back.
+    payload = jax.tree.map(
+        lambda cache, new: cache.at[index + (bi, ki, target)].set(new.astype(cache.dtype), mode="drop"),
+        memory.payload, kv,
+    )
+    return memory.replace(payload=payload), seen
 
 
 def _check_qkv(memory, q, k, v, layer):

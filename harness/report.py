@@ -13,6 +13,9 @@ import numpy as np
 __all__ = ["add_arguments", "run", "load_model", "parse_budgets", "summarise_stats", "format_stats"]
 
 MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
+# ``--quick``: enough to see the table, the gap closed and the plot, in seconds.
+QUICK = {"windows": 1, "context": 128, "budgets": "1/8,1/4", "policies": "streaming_llm,h2o,rmm,oracle"}
+QUICK_HELP = "1 window of 128 tokens, budgets 1/8 and 1/4, streaming_llm, h2o, rmm and the oracle"
 
 
 def load_model(name: str):
@@ -71,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-fraction", type=float, default=0.75)
     parser.add_argument("--plot", default="flsmem-eval.png", help="PNG path ('' for none)")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a smoke run in seconds: {QUICK_HELP} (overrides those options)")
     parser.add_argument("--stats", action="store_true",
                         help="also print each policy's memory statistics (flsmem.summary: evictions, mean age and "
                              "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
@@ -80,6 +85,8 @@ def run(args: argparse.Namespace) -> list:
     from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
     from flsmem.models.data import load_book
 
+    if args.quick:
+        vars(args).update(QUICK)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICY_NAMES + LEARNED_NAMES))
     if unknown:
