@@ -35,7 +35,7 @@ if "google.colab" in sys.modules:
     if extra:
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", f"jax[{extra}]=={jax_pin}"])
     importlib.invalidate_caches()
-sys.path.insert(0, str(ROOT))  # flsmem, models, harness and train of this checkout
+sys.path.insert(0, str(ROOT))  # this checkout's flsmem (flsmem.models, .harness, .train come with the install)
 try:
     import flsmem
 except ImportError as error:
