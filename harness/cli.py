@@ -1,4 +1,4 @@
-"""The ``flsmem`` command line: ``demo``, ``eval``, ``regime`` and ``learned``.
+"""The ``flsmem`` command line: ``demo``, ``eval``, ``generate``, ``regime`` and ``learned``.
 
 It drives the layers above the library (models and the evaluation harness), so it lives
 with them; the library itself never imports it."""
@@ -42,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     learned = commands.add_parser(
         "learned", help="the learned estimator against rmm, h2o, tova, snapkv and the oracle, tasks and text"
     )
+    generate = commands.add_parser(
+        "generate", help="continue prompts with a bounded KV cache, printing tokens as they come"
+    )
+    from flsmem.harness import generate as generate_module
     from flsmem.harness import learned as learned_module
     from flsmem.harness import regime as regime_module
     from flsmem.harness.report import add_arguments
@@ -49,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_arguments(evaluate)
     regime_module.add_arguments(regime)
     learned_module.add_arguments(learned)
+    generate_module.add_arguments(generate)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -60,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from flsmem.harness.report import run
 
         run(args)
+    elif args.command == "generate":
+        generate_module.run(args, generate.error)
     elif args.command == "learned":
         learned_module.run_cli(args)
     else:

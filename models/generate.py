@@ -1,4 +1,8 @@
-"""Serving with a bounded memory: chunked prefill, then greedy decode as a ``lax.scan``.
+"""Serving with a bounded memory: chunked prefill, then decode.
+
+* :func:`generate`: greedy decode as one compiled ``lax.scan`` (what bench/ times);
+* :func:`stream`: greedy or sampled (temperature, top-p) decode of a batch of prompts
+  of any lengths, yielding the tokens as they come (what ``flsmem generate`` prints).
 
 With no ground truth at serving time the correctness weight of each prediction comes
 from the model itself: by default the probability of the emitted (greedy) token.
@@ -6,16 +10,19 @@ from the model itself: by default the probability of the emitted (greedy) token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import flsmem
 from flsmem.models.decoder import Decoder, init_memories
 
-__all__ = ["generate", "decode_step", "decode_loop"]
+__all__ = ["generate", "decode_step", "decode_loop", "sample", "stream", "Step"]
 
 
 def _prefill(model, memories, prompt, start, correctness):
@@ -27,27 +34,31 @@ def _prefill(model, memories, prompt, start, correctness):
     return flsmem.update_layers(memories, attention, weight), logits[:, -1]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "steps", "correctness"))
-def _generate(graphdef, params, prompt, *, config, steps, correctness):
-    model = nnx.merge(graphdef, params)
+def _prefill_all(model, memories, prompt, chunk, correctness):
+    """The whole prompt in chunks of ``chunk`` tokens (a scan, then the remainder);
+    returns the memories and the logits at its last token."""
     b, length = prompt.shape
-    chunk = config.max_chunk
-    memories = init_memories(model.cfg, config, b)
     full, rest = divmod(length, chunk)
     if full:
         chunks = jnp.moveaxis(prompt[:, :full * chunk].reshape(b, full, chunk), 1, 0)
 
         def prefill_chunk(memories, xs):
             i, tokens = xs
-            memories, last = _prefill(model, memories, tokens, i * chunk, correctness)
-            return memories, last
+            return _prefill(model, memories, tokens, i * chunk, correctness)
 
         memories, lasts = jax.lax.scan(prefill_chunk, memories, (jnp.arange(full), chunks))
         last = lasts[-1]
     if rest:
         memories, last = _prefill(model, memories, prompt[:, full * chunk:], full * chunk, correctness)
+    return memories, last
 
-    (memories, _), tokens = decode_loop(model, memories, last, length, steps, correctness)
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "steps", "correctness"))
+def _generate(graphdef, params, prompt, *, config, steps, correctness):
+    model = nnx.merge(graphdef, params)
+    memories = init_memories(model.cfg, config, prompt.shape[0])
+    memories, last = _prefill_all(model, memories, prompt, config.max_chunk, correctness)
+    (memories, _), tokens = decode_loop(model, memories, last, prompt.shape[1], steps, correctness)
     return jnp.moveaxis(tokens, 0, 1), memories
 
 
@@ -110,3 +121,117 @@ def generate(
         raise ValueError(f"correctness must be 'confidence' or 'none', got {correctness!r}")
     graphdef, params = nnx.split(model)
     return _generate(graphdef, params, prompt.astype(jnp.int32), config=config, steps=steps, correctness=correctness)
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: float = 0.0, top_p: float = 1.0) -> jax.Array:
+    """Next tokens ``[B]`` from ``logits [B, V]``: the argmax at temperature 0, else a draw
+    at ``temperature`` from the smallest set of tokens whose probability reaches ``top_p``
+    (nucleus sampling; the most likely token is always in the set)."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # Probability mass strictly above each token in the ordering: keep while < top_p.
+        above = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(above < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits >= cutoff, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One position of :func:`stream`.
+
+    Attributes:
+      position: the position the tokens were emitted for.
+      tokens: ``[B]`` the token of each prompt at this position.
+      emitted: ``[B]`` bool, the token is generated (not the prompt's own) and within
+        the prompt's ``steps``.
+      held: most items any layer's memory row held after the step.
+      evictions: items evicted so far, over all layers, rows and prompts.
+    """
+
+    position: int
+    tokens: np.ndarray
+    emitted: np.ndarray
+    held: int
+    evictions: int
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "top_p"))
+def _decode(graphdef, params, memories, logits, forced, use_forced, position, key, *, temperature, top_p):
+    """Pick each row's token at ``position`` (its prompt's, or sampled), run it through
+    the model, fold the step in and evict when due."""
+    model = nnx.merge(graphdef, params)
+    token = jnp.where(use_forced, forced, sample(logits, key, temperature, top_p))
+    b = token.shape[0]
+    out, memories, attention = model(token[:, None], jnp.full((b, 1), position, jnp.int32), memories)
+    weight = jnp.exp(jnp.max(jax.nn.log_softmax(out[:, 0], axis=-1), axis=-1))
+    memories = flsmem.update_layers(memories, attention[:, :, :, 0], weight)
+    held = jnp.max(jnp.sum(memories.valid, axis=-1))
+    return memories, out[:, 0], token, held, jnp.sum(memories.stats.evictions)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config"))
+def _start(graphdef, params, prompt, *, config):
+    """Memories after every prompt's first ``P`` tokens, and the logits at the last."""
+    model = nnx.merge(graphdef, params)
+    memories = init_memories(model.cfg, config, prompt.shape[0])
+    return _prefill_all(model, memories, prompt, config.max_chunk, "confidence")
+
+
+def stream(
+    model: Decoder,
+    config: flsmem.MemoryConfig,
+    prompts: Sequence[Sequence[int]],
+    steps: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> Iterator[Step]:
+    """Continue every prompt by ``steps`` tokens under a bounded memory, position by position.
+
+    The prompts may differ in length: all of them are prefilled up to the shortest one's
+    length in chunks of ``config.max_chunk``; from there each decode step feeds every
+    row its own prompt's next token while it has one, then its sampled token. No row
+    ever sees padding, so each row generates what it would alone.
+
+    Args:
+      model: the decoder.
+      config: memory settings (``max_chunk`` is the prefill chunk).
+      prompts: token ids of each prompt (at least one token each).
+      steps: tokens to generate for each prompt.
+      temperature: 0 for greedy decoding, else the sampling temperature.
+      top_p: nucleus sampling mass in (0, 1].
+      seed: seed of the sampling key.
+
+    Yields:
+      A :class:`Step` per position, from the shortest prompt's end on.
+    """
+    if not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    lengths = np.array([len(p) for p in prompts])
+    if len(prompts) < 1 or lengths.min() < 1:
+        raise ValueError("prompts must be one or more non-empty token lists")
+    end = int(lengths.max()) + steps
+    padded = np.zeros((len(prompts), end), np.int32)
+    for row, ids in zip(padded, prompts):
+        row[:len(ids)] = ids
+    graphdef, params = nnx.split(model)
+    first = int(lengths.min())
+    memories, logits = _start(graphdef, params, jnp.asarray(padded[:, :first]), config=config)
+    key = jax.random.key(seed)
+    for position in range(first, end):
+        use_forced = position < lengths
+        memories, logits, token, held, evictions = _decode(
+            graphdef, params, memories, logits, jnp.asarray(padded[:, position]), jnp.asarray(use_forced),
+            position, jax.random.fold_in(key, position), temperature=float(temperature), top_p=float(top_p))
+        emitted = ~use_forced & (position < lengths + steps)
+        yield Step(position, np.asarray(token), emitted, int(held), int(evictions))
