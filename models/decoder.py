@@ -45,6 +45,9 @@ class DecoderConfig:
       norm_eps: RMSNorm epsilon.
       max_len: longest context trained or supported.
       tie_embeddings: the output projection is the embedding matrix.
+      qkv_bias: the q, k and v projections have biases (Qwen2).
+      rope_factors: per-frequency divisors of the rotary frequencies (Llama 3.1's
+        long-context scaling), D/2 of them, or None.
     """
 
     vocab_size: int
@@ -58,6 +61,8 @@ class DecoderConfig:
     norm_eps: float = 1e-5
     max_len: int = 512
     tie_embeddings: bool = True
+    qkv_bias: bool = False
+    rope_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "width", "depth", "q_heads", "kv_heads", "head_dim", "hidden", "max_len"):
@@ -68,6 +73,18 @@ class DecoderConfig:
             raise ValueError(f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_factors must hold head_dim / 2 = {self.head_dim // 2} values, "
+                             f"got {len(self.rope_factors)}")
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "DecoderConfig":
+        """The config saved as ``dataclasses.asdict`` (JSON); fields it lacks take their defaults."""
+        unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown DecoderConfig fields {sorted(unknown)}")
+        factors = fields.get("rope_factors")
+        return cls(**{**fields, "rope_factors": None if factors is None else tuple(factors)})
 
     @property
     def group(self) -> int:
@@ -83,10 +100,14 @@ SMOLLM2_135M = DecoderConfig(vocab_size=49152, width=576, depth=30, q_heads=9, k
                              hidden=1536, rope_theta=100000.0, max_len=8192)
 
 
-def rope(x: Float[Array, "B T *H D"], positions: Int[Array, "B T"], theta: float) -> Float[Array, "B T *H D"]:
-    """Rotary embedding, half-split convention: pairs are (i, i + D/2)."""
+def rope(x: Float[Array, "B T *H D"], positions: Int[Array, "B T"], theta: float,
+         factors: tuple[float, ...] | None = None) -> Float[Array, "B T *H D"]:
+    """Rotary embedding, half-split convention: pairs are (i, i + D/2); ``factors``
+    divide the D/2 frequencies (long-context scaling)."""
     d = x.shape[-1]
     freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    if factors is not None:
+        freq = freq / jnp.asarray(factors, jnp.float32)
     angle = positions.astype(jnp.float32)[..., None] * freq[None, None, :]  # [B, T, D/2]
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -108,10 +129,10 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: DecoderConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, rngs=rngs)  # noqa: E731
-        self.q = linear(cfg.width, cfg.q_heads * cfg.head_dim)
-        self.k = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
-        self.v = linear(cfg.width, cfg.kv_heads * cfg.head_dim)
+        linear = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, rngs=rngs)  # noqa: E731
+        self.q = linear(cfg.width, cfg.q_heads * cfg.head_dim, cfg.qkv_bias)
+        self.k = linear(cfg.width, cfg.kv_heads * cfg.head_dim, cfg.qkv_bias)
+        self.v = linear(cfg.width, cfg.kv_heads * cfg.head_dim, cfg.qkv_bias)
         self.o = linear(cfg.q_heads * cfg.head_dim, cfg.width)
 
     def __call__(self, x, positions, memories: flsmem.MemoryState | None, window: int | None = None,
@@ -122,8 +143,9 @@ class Attention(nnx.Module):
         :func:`flsmem.place` when the bookkeeping was done for all layers at once."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta)
-        k = rope(self.k(x).reshape(b, t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        q = rope(self.q(x).reshape(b, t, cfg.kv_heads, cfg.group, cfg.head_dim), positions, cfg.rope_theta,
+                 cfg.rope_factors)
+        k = rope(self.k(x).reshape(b, t, cfg.kv_heads, cfg.head_dim), positions, cfg.rope_theta, cfg.rope_factors)
         v = self.v(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         scale = cfg.head_dim ** -0.5
         if memories is None:

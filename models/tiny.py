@@ -86,7 +86,7 @@ def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
     if config_path.is_file():
         # Checked before the restore: orbax's own shape-mismatch error does not say which config.
         saved = json.loads(config_path.read_text())
-        if saved != dataclasses.asdict(cfg):
+        if DecoderConfig.from_dict(saved) != cfg:
             raise ValueError(f"parameters in {directory} were saved for {saved}, not for {dataclasses.asdict(cfg)}")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)

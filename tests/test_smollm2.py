@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from flsmem.models import decoder, smollm2
+from flsmem.models import decoder, gguf, smollm2
 
 PERSUASION = pathlib.Path(__file__).resolve().parents[1] / "data" / "austen" / "persuasion.txt"
 
@@ -74,7 +74,7 @@ def test_unpermute_inverts_the_converter_and_matches_rotations():
     rng = np.random.default_rng(0)
     w_hf = rng.normal(size=(heads * d, width)).astype(np.float32)
     w_gguf = _gguf_permute(w_hf, heads)
-    np.testing.assert_array_equal(smollm2._unpermute_rope(w_gguf, d), w_hf)
+    np.testing.assert_array_equal(gguf.unpermute_rope(w_gguf, d), w_hf)
     # What the permutation is for: llama.cpp's adjacent-pair rotation of the permuted
     # projection equals, up to the same row permutation, the half-split rotation of the
     # HF projection; so attention scores agree, and ours must get the HF rows.
