@@ -181,11 +181,11 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
 
 
 def _text_setting(name: str, plan: Plan) -> _Setting:
-    from flsmem.harness.report import make_windows
-    from flsmem.models.data import load_book
+    from flsmem.models.data import cut_windows, load_book
 
     model, tokenizer = _text_model(name)
-    windows = make_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows)
+    windows = cut_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows,
+                          spacing="spread", exact=True)
     return _Setting(f"text:{name}", model, windows, lambda nll, hit: nll.mean(axis=1), False,
                     np.zeros(len(windows), np.int64))
 

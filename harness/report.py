@@ -47,15 +47,6 @@ def parse_budgets(text: str, context: int) -> list[int]:
     return budgets
 
 
-def make_windows(tokens: np.ndarray, context: int, count: int) -> np.ndarray:
-    """``count`` evenly spaced, non-overlapping windows of ``context + 1`` tokens."""
-    span = context + 1
-    if len(tokens) < span * count:
-        raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows x (context + 1) = {span * count}")
-    starts = np.linspace(0, len(tokens) - span, count).astype(np.int64)
-    return np.stack([tokens[s:s + span] for s in starts]).astype(np.int32)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flsmem.harness.evaluate import CORRECTNESS, POLICY_NAMES
 
@@ -78,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list:
     from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
-    from flsmem.models.data import load_book
+    from flsmem.models.data import cut_windows, load_book
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = sorted(set(policies) - set(POLICY_NAMES + LEARNED_NAMES))
@@ -90,7 +81,7 @@ def run(args: argparse.Namespace) -> list:
     begin = time.perf_counter()
     model, tokenizer = load_model(args.model)
     tokens = tokenizer.encode(load_book(args.text))
-    windows = make_windows(tokens, args.context, args.windows)
+    windows = cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
     prefill = int(round(args.context * args.prefill_fraction / args.evict_every)) * args.evict_every
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows

@@ -10,7 +10,8 @@ from flax import nnx
 
 from flsmem import policies as P
 from flsmem.harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
-from flsmem.harness.report import make_windows, parse_budgets
+from flsmem.harness.report import parse_budgets
+from flsmem.models.data import cut_windows
 from flsmem.models.decoder import Decoder, DecoderConfig
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
@@ -92,7 +93,7 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="budgets"):
         parse_budgets("one", 512)
     with pytest.raises(ValueError, match="windows"):
-        make_windows(np.arange(100), 64, 4)
+        cut_windows(np.arange(100), 64, 4, spacing="spread", exact=True)
     with pytest.raises(ValueError, match="policy"):
         make_policy("belady", 32)
     with pytest.raises(ValueError, match="multiple"):
