@@ -397,7 +397,6 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
                 break
     finally:
         bar.close()
-        checkpoints.close()
     if train_losses:
         elapsed = time.perf_counter() - started
         print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")
