@@ -34,8 +34,10 @@ import jax
 import numpy as np
 
 from flsmem import policies as P
+from flsmem.harness.arguments import checking
+from flsmem.validate import require
 
-__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "main"]
+__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "check_output", "main"]
 
 MAP_POLICIES = ("oracle", "rmm", "h2o", "tova", "streaming_llm", "snapkv", "ema", "kalman")
 RETENTION_POLICIES = ("oracle", "rmm", "h2o")
@@ -515,8 +517,25 @@ def measure_or_render(plan: Plan, out: Path, stem: str, render: bool) -> tuple[l
     return rows, elapsed
 
 
+def check_output(args: argparse.Namespace, stem: str) -> Path:
+    """``--out`` as a path, once it can take the results (and, with ``--render``, holds
+    ``stem.json`` to render from).
+
+    Raises:
+      ValueError: a bad argument, named first in the message.
+    """
+    out = Path(args.out)
+    require(not out.exists() or out.is_dir(), f"--out must be a folder, got the file {args.out!r}")
+    saved = out / f"{stem}.json"
+    require(not args.render or saved.is_file(),
+            f"--render needs the results of a run in --out, but {str(saved)!r} does not exist; run without --render")
+    return out
+
+
 def run_cli(args: argparse.Namespace) -> list[dict]:
-    out, stem = Path(args.out), "quick" if args.quick else "regime"
+    stem = "quick" if args.quick else "regime"
+    with checking("flsmem regime"):
+        out = check_output(args, stem)
     rows, elapsed = measure_or_render(QUICK if args.quick else FULL, out, stem, args.render)
     text = f"flsmem regime{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
