@@ -9,15 +9,17 @@ folds the evidence, ``compress`` cuts a prefilled memory to its budget;
 ``update_layers``). A :class:`MemoryConfig` holds the static settings, among
 them the :mod:`flsmem.policies` policy. :mod:`flsmem.checks` runs the same functions
 with runtime value checks (checkify); :mod:`flsmem.checkpoint` saves and restores a
-memory with orbax; :mod:`flsmem.sharding` places one on a device mesh.
+memory with orbax; :mod:`flsmem.sharding` places one on a device mesh;
+:func:`discounted_future` builds the oracle's table of future attention.
 """
 
-from flsmem import checkpoint, checks, kernels, policies, sharding, theory
+from flsmem import checkpoint, checks, kernels, oracle_future, policies, sharding, theory
 from flsmem.attention import attend, compress
 from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
 from flsmem.layers import init_kv, place, update_layers
 from flsmem.observe import observe, reduce_query_heads
+from flsmem.oracle_future import discounted_future
 from flsmem.smooth import smooth
 from flsmem.state import MemoryState, MemoryStats, age, check_state, init, occupancy, present, summary, visible
 from flsmem.update import update
@@ -35,12 +37,14 @@ __all__ = [
     "checkpoint",
     "compress",
     "checks",
+    "discounted_future",
     "evict",
     "init",
     "init_kv",
     "kernels",
     "observe",
     "occupancy",
+    "oracle_future",
     "place",
     "policies",
     "present",

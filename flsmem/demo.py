@@ -24,6 +24,7 @@ import numpy as np
 import flsmem
 from flsmem import policies as P
 from flsmem import testing
+from flsmem.oracle_future import discounted_future
 
 __all__ = ["synthetic_stream", "attention_recall", "default_policies", "run_demo"]
 
@@ -54,7 +55,7 @@ def synthetic_stream(key: jax.Array, streams: int, steps: int) -> tuple[jax.Arra
 def attention_recall(config: flsmem.MemoryConfig, table: jax.Array, correctness: jax.Array) -> jax.Array:
     """Mean share of each query's full-cache attention that falls on held items, ``[B]``."""
     b, _, steps, _ = table.shape
-    future = testing.future_table(table)
+    future = discounted_future(table)
     state = flsmem.init(config, b, 1, {"position": ()})
 
     def body(state, t):

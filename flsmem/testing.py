@@ -3,7 +3,8 @@
 Attention in these helpers comes from a *table* ``[B, K, T, T]``: entry ``[b, k, t, p]``
 is what query ``t`` gives the item at position ``p``. Reading the table through the
 memory's current slots gives every schedule (chunked or per step, any slot layout)
-the same evidence for the same item, which is what equivalence tests need.
+the same evidence for the same item, which is what equivalence tests need. The oracle's
+table of future attention is :func:`flsmem.oracle_future.discounted_future` of it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from flsmem.config import MemoryConfig
 from flsmem.state import MemoryState, init
 from flsmem.typing import Array, Float
 
-__all__ = ["tiny_config", "tiny_memory", "attention_table", "gather_attention", "kept_positions", "future_table"]
+__all__ = ["tiny_config", "tiny_memory", "attention_table", "gather_attention", "kept_positions"]
 
 HEAD_DIM = 4
 
@@ -40,12 +41,6 @@ def attention_table(key: jax.Array, batch: int, kv_heads: int, steps: int) -> Fl
     heavy = 3.0 * jax.random.bernoulli(k2, 0.15, (batch, kv_heads, 1, steps))
     causal = jnp.tril(jnp.ones((steps, steps), jnp.bool_))
     return jax.nn.softmax(jnp.where(causal, logits + heavy, -jnp.inf), axis=-1)
-
-
-def future_table(table: Float[Array, "B K T T"]) -> Float[Array, "B K T T"]:
-    """Entry ``[t, p]``: attention position p will get from queries after t."""
-    total = jnp.flip(jnp.cumsum(jnp.flip(table, axis=2), axis=2), axis=2)
-    return jnp.concatenate([total[:, :, 1:], jnp.zeros_like(total[:, :, :1])], axis=2)
 
 
 def gather_attention(table: Float[Array, "B K T T"], state: MemoryState, queries: int = 1) -> Float[Array, "B K Q S"]:

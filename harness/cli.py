@@ -6,6 +6,7 @@ with them; the library itself never imports it."""
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Sequence
 
 __all__ = ["main"]
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flsmem.harness import generate as generate_module
     from flsmem.harness import learned as learned_module
     from flsmem.harness import regime as regime_module
+    from flsmem.harness.arguments import usage_error
     from flsmem.harness.report import add_arguments
 
     add_arguments(evaluate)
@@ -66,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         run(args)
     elif args.command == "generate":
-        generate_module.run(args, generate.error)
+        generate_module.run(args, functools.partial(usage_error, "flsmem generate"))
     elif args.command == "learned":
         learned_module.run_cli(args)
     else:

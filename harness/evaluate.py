@@ -38,6 +38,7 @@ import flsmem
 from flsmem import estimator as E
 from flsmem import policies as P
 from flsmem.models.decoder import Decoder, init_memories
+from flsmem.oracle_future import discounted_future
 
 __all__ = [
     "CORRECTNESS",
@@ -235,20 +236,7 @@ def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: 
     # [chunks, L, W, K, chunk, S]; the full cache keeps position p in slot p.
     a = jnp.moveaxis(attention, 0, 3)
     a = a.reshape(a.shape[:3] + (-1, a.shape[-1]))[..., :steps]  # [L, W, K, T, T]
-    return _discounted_future(a, discount)
-
-
-@functools.partial(jax.jit, static_argnames=("discount",))
-def _discounted_future(attention, discount):
-    """``f[t] = A[t + 1] + discount * f[t + 1]`` along axis 3, ``f[T - 1] = 0``."""
-    rows = jnp.moveaxis(attention, 3, 0)
-
-    def step(later, row):
-        now = row + discount * later
-        return now, now
-
-    _, f = jax.lax.scan(step, jnp.zeros_like(rows[0]), rows[1:], reverse=True)
-    return jnp.moveaxis(jnp.concatenate([f, jnp.zeros_like(rows[:1])], axis=0), 0, 3)
+    return discounted_future(a, discount)
 
 
 def evaluate_nll(model: Decoder, windows: np.ndarray, policy: P.Policy, budget: int, **kwargs) -> tuple[np.ndarray, dict]:

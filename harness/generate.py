@@ -19,9 +19,9 @@ __all__ = ["add_arguments", "run", "read_prompts"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
-    from flsmem.harness.report import MODELS
+    from flsmem.models.catalog import MODELS
 
-    parser.add_argument("--model", default="tiny", choices=MODELS)
+    parser.add_argument("--model", default="tiny", help=f"one of {', '.join(MODELS)}, or a .gguf file")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="one prompt per line ('-' for standard input)")
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace, fail) -> list[str]:
     argument (one line, exit status 2) before any model is loaded."""
     import flsmem
     from flsmem.harness.evaluate import make_policy
-    from flsmem.harness.report import load_model
+    from flsmem.models import catalog
     from flsmem.models.generate import stream
 
     if args.steps < 1:
@@ -78,13 +78,17 @@ def run(args: argparse.Namespace, fail) -> list[str]:
         fail(f"--temperature must be >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         fail(f"--top-p must be in (0, 1], got {args.top_p}")
+    try:
+        catalog.check(args.model)
+    except ValueError as error:
+        fail(str(error))
     prompts = read_prompts(args, fail)
     try:
         policy = make_policy(args.policy, args.budget)
         config = flsmem.MemoryConfig(policy=policy, budget=args.budget, evict_every=args.evict_every, max_chunk=16)
     except ValueError as error:
         fail(f"--policy {args.policy} at --budget {args.budget}: {error}")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = catalog.load(args.model)
     ids = [tokenizer.encode(p) for p in prompts]
     if min(len(i) for i in ids) < 1:
         fail("a prompt encodes to no tokens")

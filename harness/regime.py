@@ -34,8 +34,10 @@ import jax
 import numpy as np
 
 from flsmem import policies as P
+from flsmem.harness.arguments import checking
+from flsmem.validate import require
 
-__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "main"]
+__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "check_output", "main"]
 
 MAP_POLICIES = ("oracle", "rmm", "h2o", "tova", "streaming_llm", "snapkv", "ema", "kalman")
 RETENTION_POLICIES = ("oracle", "rmm", "h2o")
@@ -126,9 +128,9 @@ def _tasks_model():
 
 
 def _text_model(name: str):
-    from flsmem.harness.report import load_model
+    from flsmem.models import catalog
 
-    return load_model(name)
+    return catalog.load(name)
 
 
 class _Setting:
@@ -181,11 +183,11 @@ def _task_setting(kind: str, plan: Plan, model) -> _Setting:
 
 
 def _text_setting(name: str, plan: Plan) -> _Setting:
-    from flsmem.harness.report import make_windows
-    from flsmem.models.data import load_book
+    from flsmem.models.data import cut_windows, load_book
 
     model, tokenizer = _text_model(name)
-    windows = make_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows)
+    windows = cut_windows(tokenizer.encode(load_book("persuasion")), plan.text_context, plan.text_windows,
+                          spacing="spread", exact=True)
     return _Setting(f"text:{name}", model, windows, lambda nll, hit: nll.mean(axis=1), False,
                     np.zeros(len(windows), np.int64))
 
@@ -515,8 +517,25 @@ def measure_or_render(plan: Plan, out: Path, stem: str, render: bool) -> tuple[l
     return rows, elapsed
 
 
+def check_output(args: argparse.Namespace, stem: str) -> Path:
+    """``--out`` as a path, once it can take the results (and, with ``--render``, holds
+    ``stem.json`` to render from).
+
+    Raises:
+      ValueError: a bad argument, named first in the message.
+    """
+    out = Path(args.out)
+    require(not out.exists() or out.is_dir(), f"--out must be a folder, got the file {args.out!r}")
+    saved = out / f"{stem}.json"
+    require(not args.render or saved.is_file(),
+            f"--render needs the results of a run in --out, but {str(saved)!r} does not exist; run without --render")
+    return out
+
+
 def run_cli(args: argparse.Namespace) -> list[dict]:
-    out, stem = Path(args.out), "quick" if args.quick else "regime"
+    stem = "quick" if args.quick else "regime"
+    with checking("flsmem regime"):
+        out = check_output(args, stem)
     rows, elapsed = measure_or_render(QUICK if args.quick else FULL, out, stem, args.render)
     text = f"flsmem regime{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)

@@ -7,98 +7,125 @@ import json
 import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["add_arguments", "run", "load_model", "parse_budgets", "summarise_stats", "format_stats"]
+from flsmem.harness.arguments import checking
+from flsmem.models import catalog
+from flsmem.validate import one_of, positive_int, require
 
-MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
-# ``--quick``: enough to see the table, the gap closed and the plot, in seconds.
+__all__ = ["add_arguments", "check_arguments", "run", "parse_budgets",
+           "summarise_stats", "format_stats"]
+
+COMMAND = "flsmem eval"
+# ``--quick``: enough to see the table, the gap closed and the plot, in about a minute.
 QUICK = {"windows": 1, "context": 128, "budgets": "1/8,1/4", "policies": "streaming_llm,h2o,rmm,oracle"}
 QUICK_HELP = "1 window of 128 tokens, budgets 1/8 and 1/4, streaming_llm, h2o, rmm and the oracle"
 
 
-def load_model(name: str):
-    """``(model, tokenizer)`` for a model name."""
-    if name == "tiny":
-        from flsmem.models.tiny import load_tiny
-
-        return load_tiny()
-    if name == "tiny-tasks":
-        from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
-
-        return load_tiny(TASKS_CHECKPOINT_DIR)
-    if name == "smollm2-135m":
-        from flsmem.models.smollm2 import load_smollm2
-
-        return load_smollm2()
-    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
-
-
 def parse_budgets(text: str, context: int) -> list[int]:
-    """Budgets as ints or fractions of the context: "1/16,1/8,1/4" or "32,64"."""
+    """Budgets as ints or fractions of the context: "1/16,1/8,1/4" or "32,64".
+
+    Raises:
+      ValueError: a part is not an int or a fraction, or its budget is not in ``[1, context]``.
+    """
     budgets = []
     for part in text.split(","):
         try:
             value = Fraction(part.strip())
-        except ValueError:
-            raise ValueError(f"budgets must be ints or fractions like 1/8, got {part!r}") from None
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--budgets must be ints or fractions like 1/8, got {part!r}") from None
         budget = int(value * context) if value < 1 else int(value)
         if budget < 1 or budget > context:
-            raise ValueError(f"budgets must lie in [1, context={context}], got {part!r} -> {budget}")
+            raise ValueError(f"--budgets must lie in [1, --context={context}], got {part!r} -> {budget}")
         budgets.append(budget)
     return budgets
-
-
-def make_windows(tokens: np.ndarray, context: int, count: int) -> np.ndarray:
-    """``count`` evenly spaced, non-overlapping windows of ``context + 1`` tokens."""
-    span = context + 1
-    if len(tokens) < span * count:
-        raise ValueError(f"the text has {len(tokens)} tokens, fewer than windows x (context + 1) = {span * count}")
-    starts = np.linspace(0, len(tokens) - span, count).astype(np.int64)
-    return np.stack([tokens[s:s + span] for s in starts]).astype(np.int32)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flsmem.harness.evaluate import CORRECTNESS, POLICY_NAMES
 
-    parser.add_argument("--model", default="tiny", choices=MODELS)
+    parser.add_argument("--model", default="tiny", help=f"one of {', '.join(catalog.MODELS)}, or a .gguf file")
     parser.add_argument("--text", default="persuasion", help="held-out book (see data/PROVENANCE.md)")
     parser.add_argument("--context", type=int, default=512, help="tokens scored per window")
     parser.add_argument("--budgets", default="1/16,1/8,1/4", help="ints or fractions of the context")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
     parser.add_argument("--evict-every", type=int, default=16, help="chunk length and eviction period")
     parser.add_argument("--windows", type=int, default=4, help="windows of the text, evaluated as a batch")
-    parser.add_argument("--correctness", default="hard", choices=tuple(CORRECTNESS))
-    parser.add_argument("--protocol", default="stream", choices=("stream", "prefill"))
-    parser.add_argument("--prefill-fraction", type=float, default=0.75)
+    parser.add_argument("--correctness", default="hard", help=f"one of {', '.join(CORRECTNESS)}")
+    parser.add_argument("--protocol", default="stream", help="stream or prefill")
+    parser.add_argument("--prefill-fraction", type=float, default=0.75,
+                        help="with --protocol prefill, the part of each window prefilled in full, in (0, 1)")
     parser.add_argument("--plot", default="flsmem-eval.png", help="PNG path ('' for none)")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true",
-                        help=f"a smoke run in seconds: {QUICK_HELP} (overrides those options)")
+                        help=f"a one-minute smoke run: {QUICK_HELP} (overrides those options)")
     parser.add_argument("--stats", action="store_true",
                         help="also print each policy's memory statistics (flsmem.summary: evictions, mean age and "
                              "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
 
 
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
+    """``(policies, budgets, prefill)`` from ``flsmem eval``'s arguments (``prefill``: the
+    tokens prefilled in full under ``--protocol prefill``, a multiple of ``--evict-every``).
+
+    Raises:
+      ValueError: a bad argument, named first in the message.
+    """
+    from flsmem.harness.evaluate import CORRECTNESS, LEARNED_NAMES, POLICY_NAMES
+    from flsmem.models.data import books
+
+    catalog.check(args.model)
+    one_of("--text", args.text, books())
+    one_of("--correctness", args.correctness, tuple(CORRECTNESS))
+    one_of("--protocol", args.protocol, ("stream", "prefill"))
+    context, every = positive_int("--context", args.context), positive_int("--evict-every", args.evict_every)
+    require(context % every == 0, f"--context must be a multiple of --evict-every ({every}), got {context}")
+    positive_int("--windows", args.windows)
+    known = POLICY_NAMES + LEARNED_NAMES
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
+    require(policies and not unknown, f"--policies must be comma-separated names among {', '.join(known)}; "
+                                      f"got {args.policies!r}" + (f", unknown {unknown}" if unknown else ""))
+    budgets = parse_budgets(args.budgets, context)
+    fraction = args.prefill_fraction
+    require(0.0 < fraction < 1.0, f"--prefill-fraction must lie in (0, 1), got {fraction}")
+    prefill = int(round(context * fraction / every)) * every
+    require(args.protocol != "prefill" or 0 < prefill < context,
+            f"--prefill-fraction {fraction} leaves no prefix or no continuation at --context {context}: "
+            f"the prefix is rounded to a multiple of --evict-every ({every}), here {prefill}")
+    for option in ("plot", "json"):
+        path = getattr(args, option)
+        require(not path or Path(path).absolute().parent.is_dir(),
+                f"--{option} must be a file in an existing folder, got {path!r}")
+    return policies, budgets, prefill
+
+
+def _windows(args: argparse.Namespace, tokens: np.ndarray) -> np.ndarray:
+    from flsmem.models.data import cut_windows
+
+    try:
+        return cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
+    except ValueError as error:
+        raise ValueError(f"--windows {args.windows} windows of --context {args.context} + 1 tokens do not fit in "
+                         f"--text {args.text}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> list:
-    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, run_comparison
+    from flsmem.harness.evaluate import run_comparison
     from flsmem.models.data import load_book
 
     if args.quick:
         vars(args).update(QUICK)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = sorted(set(policies) - set(POLICY_NAMES + LEARNED_NAMES))
-    if unknown:
-        raise SystemExit(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES + LEARNED_NAMES)}")
-    if args.context % args.evict_every:
-        raise SystemExit(f"--context ({args.context}) must be a multiple of --evict-every ({args.evict_every})")
-    budgets = parse_budgets(args.budgets, args.context)
+    with checking(COMMAND):
+        policies, budgets, prefill = check_arguments(args)
     begin = time.perf_counter()
-    model, tokenizer = load_model(args.model)
-    tokens = tokenizer.encode(load_book(args.text))
-    windows = make_windows(tokens, args.context, args.windows)
-    prefill = int(round(args.context * args.prefill_fraction / args.evict_every)) * args.evict_every
+    tokenizer = catalog.load_tokenizer(args.model)
+    # The windows are checked against the text before the model is loaded.
+    with checking(COMMAND):
+        windows = _windows(args, tokenizer.encode(load_book(args.text)))
+    model, _ = catalog.load(args.model)
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
     ])

@@ -7,8 +7,8 @@ whole book, so held-out character names are new to the model:
 * validation: Northanger Abbey;
 * test: Persuasion.
 
-Training draws :func:`random_windows`; evaluation reads :func:`eval_windows`, which are
-evenly spaced and do not overlap, so a loss over them is deterministic.
+Training draws :func:`random_windows`; every evaluation reads :func:`cut_windows`, whose
+windows sit at fixed places and do not overlap, so a loss over them is deterministic.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from flsmem.validate import one_of, positive_int
 
 __all__ = [
     "DATA_DIR",
@@ -32,8 +34,9 @@ __all__ = [
     "expected_checksums",
     "verify_checksums",
     "ByteTokenizer",
+    "SPACINGS",
     "random_windows",
-    "eval_windows",
+    "cut_windows",
 ]
 
 # Package data: the same in a clone and in an installed wheel.
@@ -50,6 +53,9 @@ SPLITS: dict[str, tuple[str, ...]] = {
 # A blank line between books: the texts are paragraphs separated by blank lines, so a
 # window that spans two books sees an ordinary paragraph break.
 BOOK_SEPARATOR = "\n\n"
+
+# Where :func:`cut_windows` starts its windows.
+SPACINGS = ("even", "spread", "packed")
 
 
 def books() -> tuple[str, ...]:
@@ -167,14 +173,14 @@ class ByteTokenizer:
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
-def _check_tokens(tokens: np.ndarray, need: int) -> np.ndarray:
+def _check_tokens(tokens: np.ndarray, need: int, why: str) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
     if not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
     if tokens.size < need:
-        raise ValueError(f"tokens has {tokens.size} entries, fewer than the {need} needed")
+        raise ValueError(f"tokens has {tokens.size} entries, fewer than the {need} that {why}")
     return tokens
 
 
@@ -194,33 +200,63 @@ def random_windows(tokens: np.ndarray, batch: int, length: int, rng: np.random.G
     """
     if batch < 1 or length < 1:
         raise ValueError(f"batch and length must be >= 1, got batch={batch}, length={length}")
-    tokens = _check_tokens(tokens, length + 1)
+    tokens = _check_tokens(tokens, length + 1, f"one window of {length + 1} tokens needs (length={length})")
     starts = rng.integers(0, tokens.size - length, size=batch)  # last start: size - length - 1
     return tokens[starts[:, None] + np.arange(length + 1)[None, :]].astype(np.int32)
 
 
-def eval_windows(tokens: np.ndarray, length: int, count: int | None = None) -> np.ndarray:
-    """Evenly spaced, non-overlapping windows of ``length + 1`` tokens.
+def cut_windows(tokens: np.ndarray, length: int, count: int | None = None, *, spacing: str = "even",
+                exact: bool = False) -> np.ndarray:
+    """Non-overlapping windows of ``length + 1`` tokens at fixed places in the text.
 
-    Deterministic, so every evaluation of the same text scores the same bytes.
+    Deterministic, so every evaluation of the same text scores the same tokens. The
+    extra token makes inputs ``w[:, :-1]`` and next-token targets ``w[:, 1:]``; a
+    window for a plain forward pass over ``L`` tokens is ``length = L - 1``.
 
     Args:
       tokens: 1-D token ids.
       length: input length T.
-      count: windows wanted; None (or more than fit) takes as many as fit, back to back.
+      count: windows wanted; None takes every window that fits.
+      spacing: where the windows start; the first always starts at token 0.
+        ``"even"``: equal gaps of a whole number of tokens, so the last window may end
+        a little before the text does (training's validation and test losses);
+        ``"spread"``: gaps that differ by at most one token, so the last window ends
+        at the text's last token (``flsmem eval`` and the regime map's prose);
+        ``"packed"``: back to back, no gaps (perplexity over a text's first tokens).
+      exact: fail when fewer than ``count`` windows fit, rather than take those that fit.
 
     Returns:
-      int32 array ``[count, T + 1]``.
+      int32 array ``[count, T + 1]`` (fewer rows when fewer fit and not ``exact``).
+
+    Raises:
+      ValueError: ``length`` or ``count`` is not a positive int, ``spacing`` is unknown,
+        or ``tokens`` is too short: for one window, or with ``exact`` for ``count``;
+        the message gives the tokens there are and the tokens needed.
     """
-    if length < 1:
-        raise ValueError(f"length must be >= 1, got {length}")
-    tokens = _check_tokens(tokens, length + 1)
-    fit = tokens.size // (length + 1)
-    count = fit if count is None else count
-    if count < 1:
-        raise ValueError(f"count must be >= 1, got {count}")
-    count = min(count, fit)
-    # Spread the windows over the whole text; the stride is >= length + 1 so none overlap.
-    stride = (tokens.size - (length + 1)) // max(count - 1, 1) if count > 1 else 0
-    starts = np.arange(count) * stride
-    return tokens[starts[:, None] + np.arange(length + 1)[None, :]].astype(np.int32)
+    positive_int("length", length)
+    one_of("spacing", spacing, SPACINGS)
+    span = length + 1
+    if count is not None:
+        positive_int("count", count)
+    if exact and count is not None:
+        tokens = _check_tokens(tokens, count * span, f"count={count} windows of {span} tokens (length={length}) need")
+    else:
+        tokens = _check_tokens(tokens, span, f"one window of {span} tokens (length={length}) needs")
+    fit = tokens.size // span
+    count = fit if count is None else min(count, fit)
+    starts = _starts(tokens.size, span, count, spacing)
+    return tokens[starts[:, None] + np.arange(span)[None, :]].astype(np.int32)
+
+
+def _starts(size: int, span: int, count: int, spacing: str) -> np.ndarray:
+    """First token of each of ``count`` windows of ``span`` tokens in ``size`` tokens."""
+    if spacing == "packed":
+        return np.arange(count) * span
+    if spacing == "spread":
+        # np.linspace rounded down, not exact integer arithmetic: the two differ by a
+        # token where float rounding falls just below a whole number, and the results
+        # in results/ were cut with linspace.
+        return np.linspace(0, size - span, count).astype(np.int64)
+    # A whole-token stride of at least span: none overlap.
+    stride = (size - span) // (count - 1) if count > 1 else 0
+    return np.arange(count) * stride

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from flsmem.models import gguf
+from flsmem.models.data import cut_windows
 from flsmem.models.decoder import SMOLLM2_135M, Decoder
 from flsmem.models.tokenizer import Tokenizer
 
@@ -144,15 +145,13 @@ def perplexity(model: Decoder, tokens, context: int) -> float:
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if not (isinstance(context, int) and context >= 2):
         raise ValueError(f"context must be an int >= 2, got {context!r}")
-    windows = len(tokens) // context
-    if windows == 0:
-        raise ValueError(f"need at least context={context} tokens, got {len(tokens)}")
+    # A window of `context` tokens holds `context - 1` inputs and their targets.
+    windows = cut_windows(tokens, context - 1, spacing="packed")
     graphdef, state = nnx.split(model)
     total = 0.0
-    for w in range(windows):
-        chunk = jnp.asarray(tokens[w * context:(w + 1) * context][None])
-        total += float(_nll(graphdef, state, chunk))
-    return math.exp(total / (windows * (context - 1)))
+    for window in windows:
+        total += float(_nll(graphdef, state, jnp.asarray(window[None])))
+    return math.exp(total / (len(windows) * (context - 1)))
 
 
 def generate(model: Decoder, tokenizer: Tokenizer, prompt: str, steps: int, bucket: int = 64) -> str:

@@ -18,10 +18,9 @@ import json
 from importlib import resources
 from pathlib import Path
 
-import jax
 from flax import nnx
-import orbax.checkpoint as ocp
 
+from flsmem import checkpoint
 from flsmem.models.data import ByteTokenizer
 from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 
@@ -40,7 +39,8 @@ def save_params(model: Decoder, directory: str | Path) -> Path:
     """Write a model's parameters (only) where :func:`load_params` reads them.
 
     Replaces an earlier ``params/`` and ``config.json`` in ``directory``; other files
-    there (a README) are left alone.
+    there (a README) are left alone. ``params/`` is written atomically
+    (:func:`flsmem.checkpoint.save_tree`).
 
     Args:
       model: the decoder to save.
@@ -51,13 +51,7 @@ def save_params(model: Decoder, directory: str | Path) -> Path:
     """
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    params = nnx.state(model, nnx.Param)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / _PARAMS, params, force=True)
-        checkpointer.wait_until_finished()
-    # Orbax's commit marker records the absolute path written to; a local restore does
-    # not read it, and a shipped checkpoint should not carry the writer's file system.
-    (directory / _PARAMS / "commit_success.txt").unlink(missing_ok=True)
+    checkpoint.save_tree(directory / _PARAMS, nnx.state(model, nnx.Param), overwrite=True, what="parameters")
     (directory / _CONFIG).write_text(json.dumps(dataclasses.asdict(model.cfg), indent=2) + "\n")
     return directory
 
@@ -74,7 +68,7 @@ def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
 
     Raises:
       FileNotFoundError: ``directory`` holds no saved parameters.
-      ValueError: they were saved for a different configuration.
+      ValueError: they were saved for a different configuration, or cannot be read.
     """
     directory = Path(directory).resolve()
     if not (directory / _PARAMS).is_dir():
@@ -90,12 +84,7 @@ def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
             raise ValueError(f"parameters in {directory} were saved for {saved}, not for {dataclasses.asdict(cfg)}")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-    # Place every array on the default device: without a sharding orbax would warn and
-    # guess from the saved metadata.
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_params)
-    with ocp.StandardCheckpointer() as checkpointer:
-        params = checkpointer.restore(directory / _PARAMS, target)
+    params = checkpoint.restore_tree(directory / _PARAMS, abstract_params, what="parameters")
     return nnx.merge(graphdef, params)
 
 

@@ -2,6 +2,8 @@
 checkpoints are clear errors, never partial states."""
 
 import functools
+from importlib import resources
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -145,3 +147,78 @@ def test_the_top_k_implementation_may_differ_on_restore(saved):
     restored = checkpoint.restore_state(path, like=like)
     assert restored.config.implementation == "pallas"
     _assert_identical(restored, state)
+
+
+# ------------------------------------------------------------ the generic mechanism
+
+
+TREE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": {"count": np.array(7, np.int32)}}
+
+
+def _same_tree(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("manifest", [None, {"step": 3, "settings": {"lr": 0.01}}])
+def test_save_tree_round_trip(tmp_path, manifest):
+    path = checkpoint.save_tree(tmp_path / "tree", TREE, manifest=manifest)
+    _same_tree(checkpoint.restore_tree(path, TREE), TREE)
+    # An abstract target is enough; the shapes can be read without the arrays.
+    shapes = checkpoint.saved_shapes(path)
+    assert shapes["w"].shape == (3, 4) and shapes["n"]["count"].dtype == np.int32
+    _same_tree(checkpoint.restore_tree(path, checkpoint.abstract_tree(shapes)), TREE)
+    if manifest is not None:
+        assert checkpoint.read_manifest(path) == manifest
+    assert not list(path.rglob("commit_success.txt"))  # no trace of the writer's paths
+    assert [p.name for p in tmp_path.iterdir()] == ["tree"]  # no temporary left beside it
+
+
+def test_save_tree_replaces_only_when_told(tmp_path):
+    path = checkpoint.save_tree(tmp_path / "tree", TREE)
+    with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+        checkpoint.save_tree(path, TREE)
+    doubled = jax.tree.map(lambda x: 2 * x, TREE)
+    checkpoint.save_tree(path, doubled, overwrite=True)
+    _same_tree(checkpoint.restore_tree(path, TREE), doubled)
+    assert [p.name for p in tmp_path.iterdir()] == ["tree"]
+
+
+def test_a_save_that_dies_leaves_no_checkpoint_in_place(tmp_path, monkeypatch):
+    path = checkpoint.save_tree(tmp_path / "tree", TREE)
+    write = checkpoint._write
+
+    def dies_half_way(directory, tree, manifest):
+        write(directory, tree, manifest)
+        next(directory.rglob("manifest.ocdbt")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "_write", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_tree(path, jax.tree.map(lambda x: 2 * x, TREE), overwrite=True)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_tree(tmp_path / "never", TREE)
+    _same_tree(checkpoint.restore_tree(path, TREE), TREE)  # the old checkpoint, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["tree"]
+
+
+def test_restore_tree_errors_name_the_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="'nowhere' does not exist"):
+        checkpoint.restore_tree("nowhere", TREE, what="parameters")
+    path = checkpoint.save_tree(tmp_path / "tree", TREE)
+    with pytest.raises(ValueError, match="could not be read"):
+        checkpoint.restore_tree(path, {"w": np.zeros((4, 4), np.float32), "n": TREE["n"]})
+    with pytest.raises(ValueError, match="no readable manifest"):
+        checkpoint.read_manifest(path)
+
+
+def test_the_shipped_checkpoints_read_through_the_generic_helpers():
+    from flsmem.models.tiny import CHECKPOINT_DIR
+
+    estimator = Path(str(resources.files("flsmem.checkpoints"))) / "estimator" / "params"
+    kernel = checkpoint.saved_shapes(estimator)["inner"]["kernel"]
+    assert kernel.shape[0] == len(E.FEATURES)
+    params = checkpoint.saved_shapes(CHECKPOINT_DIR / "params")
+    assert len(jax.tree.leaves(params)) > 0

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from flsmem.models import data
-from flsmem.models.data import ByteTokenizer, eval_windows, load_book, load_split, random_windows
+from flsmem.models.data import ByteTokenizer, cut_windows, load_book, load_split, random_windows
 from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 from flsmem.models.tiny import CHECKPOINT_DIR, load_params, load_tiny, save_params
 from flsmem.train.train_decoder import TrainOptions, _parser, bits_per_byte, evaluate, train
@@ -89,18 +89,18 @@ def test_random_windows_are_contiguous_slices_in_bounds():
         random_windows(tokens[:20], 1, 20, np.random.default_rng(0))
 
 
-def test_eval_windows_are_evenly_spaced_and_disjoint():
+def test_cut_windows_are_evenly_spaced_and_disjoint():
     tokens = np.arange(1000, dtype=np.int32)
-    windows = eval_windows(tokens, 20, 10)
+    windows = cut_windows(tokens, 20, 10)
     assert windows.shape == (10, 21)
     np.testing.assert_array_equal(np.diff(windows, axis=1), 1)
     starts = windows[:, 0]
     assert starts[0] == 0 and windows[-1, -1] <= 999
     assert len(set(np.diff(starts))) == 1 and np.diff(starts)[0] >= 21  # even stride, no overlap
-    every = eval_windows(tokens, 20)  # as many as fit, back to back
+    every = cut_windows(tokens, 20)  # as many as fit, back to back
     assert every.shape == (1000 // 21, 21)
     np.testing.assert_array_equal(every.ravel(), np.arange(every.size))
-    assert eval_windows(tokens, 20, 10_000).shape == every.shape
+    assert cut_windows(tokens, 20, 10_000).shape == every.shape
 
 
 # ---------------------------------------------------------------------------- training

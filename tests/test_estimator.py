@@ -9,6 +9,7 @@ import flsmem
 from flsmem import estimator as E
 from flsmem import policies as P
 from flsmem import testing
+from flsmem.oracle_future import discounted_future
 
 STEPS = 96
 
@@ -413,7 +414,7 @@ def _table_stream(policy, budget, steps=48, batch=2, kv_heads=2):
     logits = _interest(jax.random.key(5), batch, kv_heads, steps)[:, :, None, :]
     causal = jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None]
     table = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)  # [B, K, T, T]
-    future = testing.future_table(table)
+    future = discounted_future(table)
     config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=4)
     state = testing.tiny_memory(config, batch=batch, kv_heads=kv_heads)
 

@@ -10,7 +10,8 @@ from flax import nnx
 
 from flsmem import policies as P
 from flsmem.harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
-from flsmem.harness.report import make_windows, parse_budgets
+from flsmem.harness.report import parse_budgets
+from flsmem.models.data import cut_windows
 from flsmem.models.decoder import Decoder, DecoderConfig
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
@@ -92,7 +93,7 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="budgets"):
         parse_budgets("one", 512)
     with pytest.raises(ValueError, match="windows"):
-        make_windows(np.arange(100), 64, 4)
+        cut_windows(np.arange(100), 64, 4, spacing="spread", exact=True)
     with pytest.raises(ValueError, match="policy"):
         make_policy("belady", 32)
     with pytest.raises(ValueError, match="multiple"):
@@ -113,3 +114,65 @@ def test_flsmem_eval_end_to_end(tmp_path, capsys):
     assert {r["policy"] for r in result["rows"]} == {"full", "streaming_llm", "h2o", "rmm", "oracle"}
     assert set(result["rows"][0]) >= {"policy", "budget", "nll", "delta_vs_full", "gap_closed"}
     assert plot.stat().st_size > 10_000
+
+
+# ------------------------------------------------- bad arguments of the commands
+
+BAD_ARGUMENTS = {
+    "unknown policy": (["eval", "--policies", "h2o,belady"], "--policies"),
+    "no policy": (["eval", "--policies", ","], "--policies"),
+    "budget 0": (["eval", "--budgets", "0"], "--budgets"),
+    "budget above the context": (["eval", "--context", "64", "--budgets", "65"], "--budgets"),
+    "budget not a number": (["eval", "--budgets", "one"], "--budgets"),
+    "budget over zero": (["eval", "--budgets", "1/0"], "--budgets"),
+    "context not a multiple": (["eval", "--context", "100"], "--context"),
+    "context 0": (["eval", "--context", "0"], "--context"),
+    "evict-every 0": (["eval", "--evict-every", "0"], "--evict-every"),
+    "unknown book": (["eval", "--text", "lady-susan"], "--text"),
+    "unknown model": (["eval", "--model", "gpt-2"], "--model"),
+    "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
+    "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
+    "windows 0": (["eval", "--windows", "0"], "--windows"),
+    "more windows than the text holds": (["eval", "--windows", "100000"], "--windows"),
+    "prefill fraction 1": (["eval", "--prefill-fraction", "1.0"], "--prefill-fraction"),
+    "prefill fraction negative": (["eval", "--prefill-fraction", "-0.5"], "--prefill-fraction"),
+    "prefill with no prefix": (["eval", "--protocol", "prefill", "--context", "64", "--prefill-fraction", "0.1"],
+                               "--prefill-fraction"),
+    "json in no folder": (["eval", "--json", "{tmp}/missing/rows.json"], "--json"),
+    "plot in no folder": (["eval", "--plot", "{tmp}/missing/plot.png"], "--plot"),
+    "regime render with nothing saved": (["regime", "--render", "--out", "{tmp}/empty"], "--render"),
+    "regime out is a file": (["regime", "--out", "{tmp}/file"], "--out"),
+    "learned render with nothing saved": (["learned", "--quick", "--render", "--out", "{tmp}/empty"], "--render"),
+    "learned estimator missing": (["learned", "--estimator", "{tmp}/no-estimator", "--out", "{tmp}/out"],
+                                  "--estimator"),
+}
+
+
+@pytest.fixture
+def no_models(monkeypatch):
+    """Loading a model, or measuring anything, fails the test."""
+    from flsmem.harness import regime
+    from flsmem.models import catalog
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a bad argument must stop the command before any model is loaded")
+
+    monkeypatch.setattr(catalog, "load", forbidden)
+    monkeypatch.setattr(regime, "run", forbidden)
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, no_models):
+    from flsmem.harness.cli import main
+
+    argv, name = BAD_ARGUMENTS[case]
+    (tmp_path / "file").write_text("not a folder")
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"flsmem {argv[0]}: error: {name}"), err
+    assert "Traceback" not in err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written

@@ -13,6 +13,7 @@ import pytest
 import flsmem
 from flsmem import policies as P
 from flsmem import testing
+from flsmem.oracle_future import discounted_future
 
 # One compile per config instead of op-by-op dispatch.
 write = jax.jit(flsmem.write)
@@ -117,7 +118,7 @@ def test_kalman_running_mean_and_gain():
 def test_oracle_keeps_what_the_future_uses():
     # Future attention after query 2: p0 .1, p1 .15, p2 .3 -> keep p1, p2.
     tab = jnp.asarray(TABLE)[None, None]
-    fut = testing.future_table(tab)
+    fut = discounted_future(tab)
     config = flsmem.MemoryConfig(policy=P.oracle(), budget=2)
     state = testing.tiny_memory(config, batch=1, kv_heads=1)
     for t in range(3):

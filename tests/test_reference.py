@@ -28,6 +28,7 @@ from jax import lax
 
 import flsmem
 from flsmem import policies, testing
+from flsmem.oracle_future import discounted_future
 
 import reference_memory as ref
 
@@ -172,7 +173,7 @@ def compare_stream(c: Case, budget: int, every: int, seed: int) -> tuple[int, in
     """Runs one seed through both; returns (evictions compared, near-ties accepted)."""
     config = flsmem.MemoryConfig(c.policy(), budget=budget, evict_every=every)
     table, weights, keys = _inputs(seed)
-    future_lib = testing.future_table(jnp.asarray(table))
+    future_lib = discounted_future(jnp.asarray(table))
     _, out = stream_runner(config)(jnp.asarray(table), future_lib, jnp.asarray(keys), jnp.asarray(weights))
     valid, position, score = jax.device_get(out)
     table64, future64 = _float64_tables(table)
@@ -278,7 +279,7 @@ def test_prefill_compression_matches_reference(c: Case):
     for seed in SEEDS:
         table, weights, keys = _inputs(seed)
         compressed = jax.device_get(prefill_runner(config, budgets)(
-            jnp.asarray(table), testing.future_table(jnp.asarray(table)), jnp.asarray(keys),
+            jnp.asarray(table), discounted_future(jnp.asarray(table)), jnp.asarray(keys),
             jnp.asarray(weights)))
         table64, future64 = _float64_tables(table)
         rows = {}

@@ -1,38 +1,48 @@
-"""What every training script here shares: orbax checkpoints that resume exactly, and a
+"""What every training script here shares: checkpoints that resume exactly, and a
 SIGTERM that ends the run cleanly at a checkpoint instead of losing its work."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-import jax
-import orbax.checkpoint as ocp
+from flsmem import checkpoint
 
 __all__ = ["Checkpoints", "stop_on_sigterm"]
 
 T = TypeVar("T")
+_WHAT = "training checkpoint"
 
 
 class Checkpoints:
-    """The checkpoints of one run in ``workdir``: a pytree ``state`` and a JSON ``meta``
-    record per saved step. ``meta["settings"]`` holds the run's settings, and a run
-    resumes only from a checkpoint written with the same settings.
+    """The checkpoints of one run in ``workdir``: per saved step, a folder named by the
+    step holding a pytree ``state`` and a JSON ``meta`` record, written atomically by
+    :func:`flsmem.checkpoint.save_tree` (a run killed mid-save leaves no step folder).
+    ``meta["settings"]`` holds the run's settings, and a run resumes only from a
+    checkpoint written with the same settings.
 
     Args:
       workdir: the folder (created if missing).
-      keep: checkpoints kept.
+      keep: checkpoints kept (the latest ones).
       settings: JSON-able settings that decide the run's trajectory.
     """
 
     def __init__(self, workdir: str | Path, keep: int, settings: dict[str, Any]):
         self.workdir = Path(workdir).absolute()
+        self.keep = keep
         self.settings = json.loads(json.dumps(settings))  # as they read back from JSON
-        self.manager = ocp.CheckpointManager(
-            self.workdir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # Saves a kill interrupted: never renamed into place, never to be read.
+        for partial in self.workdir.glob(f"*{checkpoint.PARTIAL}*"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def steps(self) -> list[int]:
+        """The steps of the finished checkpoints, oldest first."""
+        return sorted(int(p.name) for p in self.workdir.iterdir() if p.is_dir() and p.name.isdigit())
 
     def resume(self, state: Any, resume: bool = True) -> tuple[int, Any, dict | None]:
         """``(step, state, meta)`` of the latest checkpoint, or ``(0, state, None)`` to
@@ -40,31 +50,28 @@ class Checkpoints:
         Without ``resume`` the checkpoints already there are deleted.
 
         Raises:
-          ValueError: the latest checkpoint was written with other settings.
+          ValueError: the latest checkpoint was written with other settings, or cannot be read.
         """
-        step = self.manager.latest_step()
-        if not resume or step is None:
-            for old in self.manager.all_steps():
-                self.manager.delete(old)
+        steps = self.steps()
+        if not resume or not steps:
+            for old in steps:
+                shutil.rmtree(self.workdir / str(old))
             return 0, state, None
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        if restored["meta"]["settings"] != self.settings:
+        path = self.workdir / str(steps[-1])
+        meta = checkpoint.read_manifest(path, what=_WHAT)
+        if meta.get("settings") != self.settings:
             raise ValueError(f"the checkpoint in {self.workdir} was written with settings "
-                             f"{restored['meta']['settings']}, not {self.settings}; use another --workdir, "
+                             f"{meta.get('settings')}, not {self.settings}; use another --workdir, "
                              f"or --no-resume to start afresh there")
-        return step, restored["state"], restored["meta"]
+        return steps[-1], checkpoint.restore_tree(path, state, what=_WHAT), meta
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Save ``state`` and ``meta`` (JSON-able; the settings are added) at ``step``."""
+        """Save ``state`` and ``meta`` (JSON-able; the settings are added) at ``step``,
+        replacing a checkpoint of that step, then drop all but the latest ``keep``."""
         record = dict(meta, settings=self.settings)
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(record)), force=True)
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        checkpoint.save_tree(self.workdir / str(step), state, manifest=record, overwrite=True, what=_WHAT)
+        for old in self.steps()[:-self.keep]:
+            shutil.rmtree(self.workdir / str(old))
 
 
 def stop_on_sigterm(train: Callable[[Callable[[], bool]], T]) -> T:

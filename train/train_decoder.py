@@ -46,7 +46,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from flsmem.models.data import ByteTokenizer, eval_windows, load_split, random_windows
+from flsmem.models.data import ByteTokenizer, cut_windows, load_split, random_windows
 from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 from flsmem.models.tasks import LATE, TASKS, make_tasks, mixed_tasks
 from flsmem.models.tiny import load_params, save_params
@@ -276,7 +276,7 @@ def evaluate(model: Decoder, tokens: np.ndarray, *, length: int, count: int | No
       model: the decoder.
       tokens: 1-D byte ids of the text to score.
       length: window length T.
-      count: windows (:func:`flsmem.models.data.eval_windows`); None takes every window that fits.
+      count: windows (:func:`flsmem.models.data.cut_windows`); None takes every window that fits.
       batch: windows per forward pass.
 
     Returns:
@@ -287,7 +287,7 @@ def evaluate(model: Decoder, tokens: np.ndarray, *, length: int, count: int | No
 
 
 def _evaluate(losses_fn, params, tokens, length, count, batch) -> float:
-    windows = eval_windows(tokens, length, count)
+    windows = cut_windows(tokens, length, count)
     n = len(windows)
     batch = min(batch, n)
     # Pad the last chunk to a full batch so that one compiled shape serves every chunk.
@@ -397,7 +397,6 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
                 break
     finally:
         bar.close()
-        checkpoints.close()
     if train_losses:
         elapsed = time.perf_counter() - started
         print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")

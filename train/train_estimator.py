@@ -232,7 +232,6 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     finally:
         bar.close()
         log.close()
-        checkpoints.close()
     if options.batches > start:
         print(f"streamed batches {start}..{options.batches} in {time.perf_counter() - started:.0f} s; "
               f"last loss {float(learned['loss']):.4f}")

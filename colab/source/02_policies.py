@@ -26,7 +26,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from flsmem.harness import evaluate, report
-from flsmem.models.data import load_book
+from flsmem.models import catalog
+from flsmem.models.data import cut_windows, load_book
 
 SETTINGS = {
     # A few policies, two short windows: about half a minute on a 2-core CPU.
@@ -40,14 +41,14 @@ print(SETTINGS)
 # %% [markdown]
 # ## Model and text
 #
-# `flsmem.harness.report` has the loaders `flsmem eval` uses: the model with its tokenizer (one
-# token per byte), and evenly spaced windows of `context + 1` tokens from the held-out
-# book.
+# The same inputs as `flsmem eval`: the model with its tokenizer (one token per byte) from
+# `flsmem.models.catalog`, and windows of `context + 1` tokens spread over the held-out
+# book by `flsmem.models.data.cut_windows`.
 
 # %%
-model, tokenizer = report.load_model("tiny")
+model, tokenizer = catalog.load("tiny")
 tokens = tokenizer.encode(load_book("persuasion"))
-windows = report.make_windows(tokens, SETTINGS["context"], SETTINGS["windows"])
+windows = cut_windows(tokens, SETTINGS["context"], SETTINGS["windows"], spacing="spread", exact=True)
 budgets = report.parse_budgets(SETTINGS["budgets"], SETTINGS["context"])
 # Bytes per window, to convert nats per token into bits per byte.
 byte_counts = np.array([[len(tokenizer.decode(w[1:]).encode())] * 2 for w in windows])

