@@ -13,7 +13,7 @@ import contextlib
 import sys
 from typing import Iterator, NoReturn
 
-__all__ = ["usage_error", "checking"]
+__all__ = ["usage_error", "checking", "read_text"]
 
 
 def usage_error(command: str, message: str) -> NoReturn:
@@ -30,3 +30,34 @@ def checking(command: str) -> Iterator[None]:
         yield
     except ValueError as error:
         usage_error(command, str(error))
+
+
+def read_text(argument: str, source: str) -> str:
+    """The UTF-8 text of the file ``source`` (``-``: standard input), for ``argument``.
+
+    Raises:
+      ValueError: naming ``argument``: no such file, a folder, unreadable, not UTF-8
+        text (a binary file), or empty.
+    """
+    name = "standard input" if source == "-" else source
+    try:
+        if source == "-":
+            data = sys.stdin.buffer.read()
+        else:
+            with open(source, "rb") as f:
+                data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{argument}: no such file: {source}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{argument}: {source} is a folder, not a text file") from None
+    except OSError as error:
+        raise ValueError(f"{argument}: cannot read {name}: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{argument}: {name} is not UTF-8 text (a binary file?)") from None
+    if "\x00" in text:
+        raise ValueError(f"{argument}: {name} is not UTF-8 text (it holds NUL bytes: a binary file?)")
+    if not text.strip():
+        raise ValueError(f"{argument}: {name} is empty")
+    return text

@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from flsmem.harness.arguments import read_text
+
 __all__ = ["add_arguments", "run", "read_prompts"]
 
 
@@ -36,29 +38,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling")
 
 
-def read_prompts(args: argparse.Namespace, fail) -> list[str]:
-    """The prompts the arguments name; ``fail(message)`` for a missing, unreadable,
-    binary or empty source."""
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts the arguments name, one per non-empty line of a file or stdin.
+
+    Raises:
+      ValueError: a missing, unreadable, binary or empty source, naming the argument.
+    """
     if args.prompt is not None:
         prompts = [args.prompt]
-    elif args.prompt_file not in (None, "-"):
-        try:
-            with open(args.prompt_file, encoding="utf-8") as f:
-                prompts = f.read().splitlines()
-        except FileNotFoundError:
-            fail(f"--prompt-file: no such file: {args.prompt_file}")
-        except UnicodeDecodeError:
-            fail(f"--prompt-file: {args.prompt_file} is not UTF-8 text")
-        except OSError as error:
-            fail(f"--prompt-file: cannot read {args.prompt_file}: {error.strerror}")
     else:
-        try:
-            prompts = sys.stdin.read().splitlines()
-        except UnicodeDecodeError:
-            fail("standard input is not UTF-8 text")
+        source = "-" if args.prompt_file is None else args.prompt_file
+        argument = "--prompt-file" if args.prompt_file is not None else "standard input (no --prompt given)"
+        prompts = read_text(argument, source).splitlines()
     prompts = [p for p in prompts if p.strip()]
     if not prompts:
-        fail("no prompt given: --prompt TEXT, --prompt-file FILE (one prompt per line) or text on standard input")
+        raise ValueError("--prompt: no prompt given: --prompt TEXT, --prompt-file FILE (one prompt per line) "
+                         "or text on standard input")
     return prompts
 
 
@@ -82,7 +77,10 @@ def run(args: argparse.Namespace, fail) -> list[str]:
         catalog.check(args.model)
     except ValueError as error:
         fail(str(error))
-    prompts = read_prompts(args, fail)
+    try:
+        prompts = read_prompts(args)
+    except ValueError as error:
+        fail(str(error))
     try:
         policy = make_policy(args.policy, args.budget)
         config = flsmem.MemoryConfig(policy=policy, budget=args.budget, evict_every=args.evict_every, max_chunk=16)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flsmem.harness.arguments import checking
+from flsmem.harness.arguments import checking, read_text
 from flsmem.models import catalog
 from flsmem.validate import one_of, positive_int, require
 
@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flsmem.harness.evaluate import CORRECTNESS, POLICY_NAMES
 
     parser.add_argument("--model", default="tiny", help=f"one of {', '.join(catalog.MODELS)}, or a .gguf file")
-    parser.add_argument("--text", default="persuasion", help="held-out book (see data/PROVENANCE.md)")
+    parser.add_argument("--text", default="persuasion",
+                        help="a bundled book (persuasion is held out; see data/PROVENANCE.md), the path of a UTF-8 "
+                             "text file, or - for standard input")
     parser.add_argument("--context", type=int, default=512, help="tokens scored per window")
     parser.add_argument("--budgets", default="1/16,1/8,1/4", help="ints or fractions of the context")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names")
@@ -77,7 +79,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     from flsmem.models.data import books
 
     catalog.check(args.model)
-    one_of("--text", args.text, books())
+    if args.text not in books() and args.text != "-" and not Path(args.text).exists():
+        raise ValueError(f"--text must be a bundled book ({', '.join(books())}), a UTF-8 text file or - "
+                         f"(standard input), got {args.text!r}: no such book or file")
     one_of("--correctness", args.correctness, tuple(CORRECTNESS))
     one_of("--protocol", args.protocol, ("stream", "prefill"))
     context, every = positive_int("--context", args.context), positive_int("--evict-every", args.evict_every)
@@ -108,14 +112,20 @@ def _windows(args: argparse.Namespace, tokens: np.ndarray) -> np.ndarray:
     try:
         return cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
     except ValueError as error:
-        raise ValueError(f"--windows {args.windows} windows of --context {args.context} + 1 tokens do not fit in "
-                         f"--text {args.text}: {error}") from None
+        raise ValueError(f"--windows {args.windows} windows of --context {args.context} + 1 tokens need "
+                         f"{args.windows * (args.context + 1)} tokens, but --text {args.text} has {len(tokens)} "
+                         f"tokens of the model's tokenizer") from error
+
+
+def load_text(source: str) -> str:
+    """The text ``--text`` names: a bundled book, a UTF-8 file, or ``-`` for standard input."""
+    from flsmem.models.data import books, load_book
+
+    return load_book(source) if source in books() else read_text("--text", source)
 
 
 def run(args: argparse.Namespace) -> list:
     from flsmem.harness.evaluate import run_comparison
-    from flsmem.models.data import load_book
-
     if args.quick:
         vars(args).update(QUICK)
     with checking(COMMAND):
@@ -124,7 +134,7 @@ def run(args: argparse.Namespace) -> list:
     tokenizer = catalog.load_tokenizer(args.model)
     # The windows are checked against the text before the model is loaded.
     with checking(COMMAND):
-        windows = _windows(args, tokenizer.encode(load_book(args.text)))
+        windows = _windows(args, tokenizer.encode(load_text(args.text)))
     model, _ = catalog.load(args.model)
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows

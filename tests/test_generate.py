@@ -65,7 +65,7 @@ def test_top_p_keeps_the_smallest_nucleus():
 @pytest.mark.parametrize("argv, message", [
     (["--prompt-file", "missing.txt"], "--prompt-file: no such file"),
     (["--prompt-file", "binary.dat"], "is not UTF-8 text"),
-    (["--prompt-file", "empty.txt"], "no prompt given"),
+    (["--prompt-file", "empty.txt"], "--prompt-file: empty.txt is empty"),
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", "x", "--steps", "0"], "--steps must be >= 1"),
     (["--prompt", "x", "--policy", "nope"], "--policy"),

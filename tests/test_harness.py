@@ -129,6 +129,13 @@ BAD_ARGUMENTS = {
     "context 0": (["eval", "--context", "0"], "--context"),
     "evict-every 0": (["eval", "--evict-every", "0"], "--evict-every"),
     "unknown book": (["eval", "--text", "lady-susan"], "--text"),
+    "text file missing": (["eval", "--text", "{tmp}/notes.txt"], "--text"),
+    "text file empty": (["eval", "--text", "{tmp}/empty.txt"], "--text: {tmp}/empty.txt is empty"),
+    "text file binary": (["eval", "--text", "{tmp}/binary.dat"], "--text: {tmp}/binary.dat is not UTF-8 text"),
+    "text is a folder": (["eval", "--text", "{tmp}/folder"], "--text: {tmp}/folder is a folder"),
+    "text shorter than a window": (["eval", "--text", "{tmp}/short.txt", "--windows", "1", "--context", "64"],
+                                   "--windows 1 windows of --context 64 + 1 tokens need 65 tokens, but --text "
+                                   "{tmp}/short.txt has 12 tokens of the model's tokenizer"),
     "unknown model": (["eval", "--model", "gpt-2"], "--model"),
     "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
@@ -167,12 +174,36 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, no
 
     argv, name = BAD_ARGUMENTS[case]
     (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "empty.txt").write_text(" \n\n")
+    (tmp_path / "binary.dat").write_bytes(bytes(range(256)))
+    (tmp_path / "short.txt").write_text("Twelve bytes")
+    (tmp_path / "folder").mkdir()
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as exit_:
         main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"flsmem {argv[0]}: error: {name}"), err
+    assert err.startswith(f"flsmem {argv[0]}: error: {name.replace('{tmp}', str(tmp_path))}"), err
     assert "Traceback" not in err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_eval_reads_a_users_text_file_and_standard_input(tmp_path, monkeypatch, capsys):
+    """``--text FILE`` and ``--text -`` score the user's own text."""
+    import io
+
+    from flsmem.harness.cli import main
+    from flsmem.models.data import load_book
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text(load_book("northangerabbey")[:4000])
+    args = ["eval", "--windows", "1", "--context", "64", "--budgets", "1/4", "--policies", "h2o", "--plot", ""]
+    main([*args, "--text", str(notes)])
+    from_file = capsys.readouterr().out
+    assert f"tiny on {notes}" in from_file and "h2o" in from_file
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(notes.read_bytes())))
+    main([*args, "--text", "-"])
+    from_stdin = capsys.readouterr().out
+    table = lambda out: out.splitlines()[1:]  # noqa: E731 - the title holds the source and the time
+    assert table(from_stdin) == table(from_file)
