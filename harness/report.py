@@ -151,7 +151,9 @@ def run(args: argparse.Namespace) -> list:
         on_stats=keep_stats if args.stats else None,
     )
     elapsed = time.perf_counter() - begin
-    title = (f"{args.model} on {args.text}: {args.windows} windows x {args.context} tokens, protocol "
+    # Files are named by their name alone: a table should not carry the machine's folders.
+    model, text = Path(args.model).name, "standard input" if args.text == "-" else Path(args.text).name
+    title = (f"{model} on {text}: {args.windows} windows x {args.context} tokens, protocol "
              f"{args.protocol}, evict_every {args.evict_every}, correctness {args.correctness} ({elapsed:.0f} s)")
     print(format_table(rows, budgets, title))
     if args.stats:
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> list:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({
-                "model": args.model, "text": args.text, "context": args.context, "protocol": args.protocol,
+                "model": model, "text": text, "context": args.context, "protocol": args.protocol,
                 "evict_every": args.evict_every, "windows": args.windows, "correctness": args.correctness,
                 "rows": [vars(r) for r in rows],
                 **({"stats": {f"{name}@{budget}": figures for (name, budget), figures in stats.items()}}

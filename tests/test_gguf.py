@@ -2,9 +2,8 @@
 
 Small files are written here with ``gguf.GGUFWriter`` (random weights, each supported
 architecture and tensor type), loaded with :func:`flsmem.models.gguf.load`, and their
-logits compared with a plain numpy forward pass that reads the same dequantised
-tensors in llama.cpp's own layout: adjacent-pair rotation on the permuted Q/K rows for
-``llama``, half-split rotation for ``qwen2``.
+logits compared with :mod:`bench.gguf_reference`, a plain numpy forward pass that reads
+the same dequantised tensors in llama.cpp's own layout.
 """
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the real-model extra is not installed: pip install -e '.[real]'")
 pytest.importorskip("tokenizers", reason="the real-model extra is not installed: pip install -e '.[real]'")
 
+from bench.gguf_reference import reference_logits  # noqa: E402
 from flsmem.models import gguf as loader  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -104,52 +104,6 @@ def _write(path, arch, kind, *, tied=True, bias=False, factors=False, seed=0):
     writer.close()
 
 
-def _reference_logits(path, tokens) -> np.ndarray:
-    """llama.cpp's computation in numpy, on the file's dequantised tensors as stored."""
-    reader = gguf.GGUFReader(path)
-    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
-    arch = reader.fields["general.architecture"].contents()
-    eps = reader.fields[f"{arch}.attention.layer_norm_rms_epsilon"].contents()
-    theta = reader.fields[f"{arch}.rope.freq_base"].contents()
-    n = len(tokens)
-
-    def rms(x, scale):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
-
-    freq = theta ** (-np.arange(HEAD_DIM // 2) * 2.0 / HEAD_DIM) / w.get("rope_freqs.weight", 1.0)
-    angle = np.arange(n)[:, None, None] * freq[None, None, :]  # [T, 1, D/2]
-
-    def rotate(x):  # [T, heads, D]
-        if arch == "llama":  # adjacent pairs (2i, 2i + 1)
-            a, b = x[..., 0::2], x[..., 1::2]
-            out = np.empty_like(x)
-            out[..., 0::2], out[..., 1::2] = a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)
-            return out
-        a, b = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]  # half-split pairs (i, i + D/2)
-        return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)], -1)
-
-    x = w["token_embd.weight"][tokens]
-    causal = np.tril(np.ones((n, n), bool))
-    for i in range(LAYERS):
-        p = f"blk.{i}."
-        h = rms(x, w[p + "attn_norm.weight"])
-        proj = lambda name: h @ w[p + name + ".weight"].T + w.get(p + name + ".bias", 0.0)  # noqa: E731
-        q = rotate(proj("attn_q").reshape(n, HEADS, HEAD_DIM))
-        k = rotate(proj("attn_k").reshape(n, KV_HEADS, HEAD_DIM))
-        v = proj("attn_v").reshape(n, KV_HEADS, HEAD_DIM)
-        k, v = (np.repeat(a, HEADS // KV_HEADS, axis=1) for a in (k, v))  # head h reads KV head h // G
-        logits = np.einsum("thd,shd->hts", q, k) / np.sqrt(HEAD_DIM)
-        logits = np.where(causal, logits, -np.inf)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("hts,shd->thd", probs, v).reshape(n, WIDTH) @ w[p + "attn_output.weight"].T
-        h = rms(x, w[p + "ffn_norm.weight"])
-        gate = h @ w[p + "ffn_gate.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
-    x = rms(x, w["output_norm.weight"])
-    return x @ w.get("output.weight", w["token_embd.weight"]).T
-
-
 CASES = [
     ("llama", T.F32, {}),
     ("llama", T.F16, {"tied": False}),
@@ -170,7 +124,7 @@ def test_gguf_matches_llama_cpp_in_numpy(tmp_path, arch, kind, options):
     tokens = tokenizer.encode("Persuasion, 1817: Anne!")
     assert tokenizer.decode(tokens) == "Persuasion, 1817: Anne!"
     got = np.asarray(model(tokens[None])[0][0], np.float64)
-    want = _reference_logits(path, tokens)
+    want = reference_logits(path, tokens)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
     assert model.cfg.qkv_bias == options.get("bias", False)
     assert model.cfg.tie_embeddings == options.get("tied", True)
