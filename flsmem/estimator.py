@@ -63,6 +63,7 @@ get a label, so the estimator learns from what its policy kept.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from typing import Any
@@ -76,12 +77,14 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flsmem import validate
-from flsmem.policies import Observation, Policy, SlotView
+from flsmem.policies import Observation, Params, Policy, SlotView
 from flsmem.typing import Array, Float, PyTree
 
 __all__ = [
     "FEATURES",
+    "GuidedParams",
     "ImportanceNet",
+    "LearnedParams",
     "PRIORS",
     "Weights",
     "carry_over",
@@ -110,6 +113,8 @@ _FAR_AGE = 16
 _FIXED = float(2**20)
 # The fast moving average of relative attention halves every query.
 _RECENT_DECAY = 0.5
+_LABELS = ("peak", "sum")
+_LOSSES = ("squared", "ranking")
 
 FEATURES = (
     "log_h2o_score",
@@ -346,9 +351,84 @@ def _absolute(path):
 # ------------------------------------------------------------------------- policy
 
 
+@dataclasses.dataclass(frozen=True)
+class LearnedParams(Params):
+    """Parameters of the learned policy (:func:`learned` documents each).
+
+    Attributes:
+      weights: pretrained :class:`Weights`, or None for a fresh network.
+      online: keep learning while serving.
+      learning_rate: Adam step size of the online updates, > 0.
+      horizon: queries over which a label is gathered, >= 1.
+      snapshots: snapshots in flight per row; divides ``horizon``.
+      label: "peak" or "sum".
+      loss: "squared" or "ranking".
+      prior: the heuristic a fresh network starts as ("h2o", "rmm", "far") or None.
+      hidden: width of the network; set from ``weights`` when they are given.
+      seed: draws a fresh network.
+    """
+
+    weights: Weights | None = None
+    online: bool = True
+    learning_rate: float = 1e-3
+    horizon: int = 32
+    snapshots: int = 1
+    label: str = "peak"
+    loss: str = "squared"
+    prior: str | None = None
+    hidden: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        validate.require(self.weights is None or isinstance(self.weights, Weights),
+                         f"weights must be flsmem.estimator.Weights (from load) or None, "
+                         f"got {type(self.weights).__name__}")
+        validate.require(isinstance(self.online, bool), f"online must be a bool, got {self.online!r}")
+        object.__setattr__(self, "learning_rate", validate.positive("learning_rate", self.learning_rate))
+        validate.one_of("label", self.label, _LABELS)
+        validate.one_of("loss", self.loss, _LOSSES)
+        horizon = validate.positive_int("horizon", self.horizon)
+        snapshots = validate.positive_int("snapshots", self.snapshots)
+        validate.require(horizon % snapshots == 0,
+                         f"snapshots must divide horizon (a snapshot every horizon / snapshots queries), "
+                         f"got snapshots={snapshots} for horizon={horizon}")
+        hidden = validate.positive_int("hidden", self.hidden)
+        seed = validate.nonneg_int("seed", self.seed)
+        validate.one_of("prior", self.prior, (None, *PRIORS))
+        if self.weights is not None:
+            hidden = _hidden_of(self.weights.params)
+            shapes = jax.tree.map(np.shape, self.weights.params)
+            expected = jax.tree.map(np.shape, _shapes(hidden))
+            validate.require(shapes == expected, f"weights must fit an ImportanceNet of width {hidden}: "
+                                                 f"expected shapes {expected}, got {shapes}")
+        for name, value in (("horizon", horizon), ("snapshots", snapshots), ("hidden", hidden), ("seed", seed)):
+            object.__setattr__(self, name, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuidedParams(Params):
+    """Parameters of a :func:`guided` policy.
+
+    Attributes:
+      learner: the :func:`learned` policy that gathers evidence and learns.
+      behaviour: the policy that ranks the slots for eviction.
+    """
+
+    learner: Policy
+    behaviour: Policy
+
+    def __post_init__(self):
+        learner, behaviour = self.learner, self.behaviour
+        validate.require(isinstance(learner, Policy) and learner.name == "learned",
+                         f"learner must be the learned policy, got {getattr(learner, 'name', learner)!r}")
+        validate.require(isinstance(behaviour, Policy) and behaviour.init_aux is None and behaviour.evicts,
+                         f"behaviour must be a policy that evicts and keeps no state of its own, "
+                         f"got {getattr(behaviour, 'name', behaviour)!r}")
+
+
 def _optimizer(policy: Policy) -> optax.GradientTransformation:
     # Clipping keeps one burst of large labels from throwing the network off.
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(policy.p["learning_rate"]))
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(policy.params.learning_rate))
 
 
 def _init_evidence(policy, payload, position, birth):
@@ -372,14 +452,14 @@ _SNAPSHOT = ("snap_features", "gathered", "snap_birth", "snap_queries")
 
 
 def _init_aux(policy, batch, kv_heads, slots):
-    weights = policy.p["weights"]
+    weights = policy.params.weights
     params = (
-        init_params(policy.p["hidden"], policy.p["seed"], policy.p["prior"]) if weights is None
+        init_params(policy.params.hidden, policy.params.seed, policy.params.prior) if weights is None
         else jax.tree.map(jnp.asarray, weights.params)
     )
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     # One snapshot keeps the shapes the state had before several could be in flight.
-    m = policy.p["snapshots"]
+    m = policy.params.snapshots
     rows = ((m,) if m > 1 else ()) + (batch, kv_heads, slots)
     return {
         "params": params,
@@ -408,14 +488,14 @@ def _init_aux(policy, batch, kv_heads, slots):
 
 def _in_flight(policy, aux) -> dict:
     """The snapshot entries of ``aux``, each with its leading [M] axis."""
-    if policy.p["snapshots"] > 1:
+    if policy.params.snapshots > 1:
         return {name: aux[name] for name in _SNAPSHOT}
     return {name: aux[name][None] for name in _SNAPSHOT}
 
 
 def _stored(policy, snapshots: dict) -> dict:
     """The inverse of :func:`_in_flight`: the entries as ``aux`` holds them."""
-    if policy.p["snapshots"] > 1:
+    if policy.params.snapshots > 1:
         return snapshots
     return {name: x[0] for name, x in snapshots.items()}
 
@@ -472,13 +552,13 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
     aux = dict(aux, last_weight=obs.weight, head_far=aux["head_far"] + far_mass,
                head_far_right=aux["head_far_right"] + obs.weight[:, None] * far_mass,
                head_right=aux["head_right"] + obs.weight, head_queries=aux["head_queries"] + 1.0)
-    if policy.p["online"]:  # a frozen network takes no snapshots: no upkeep, no branch
+    if policy.params.online:  # a frozen network takes no snapshots: no upkeep, no branch
         # Every snapshot in flight gathers the utility each slot shows: its label to be.
         snaps = _in_flight(policy, aux)
         shown = (w * z)[None]
         present = view.present[None]
         gathered = snaps["gathered"]
-        gathered = jnp.maximum(gathered, shown) if policy.p["label"] == "peak" else gathered + shown
+        gathered = jnp.maximum(gathered, shown) if policy.params.label == "peak" else gathered + shown
         snaps["gathered"] = jnp.where(present, gathered, snaps["gathered"])
         # A slot that loses its item never holds it again (a later item has a later birth),
         # so the snapshot forgets it now: the aux alone then tells which slots to label,
@@ -487,7 +567,7 @@ def _fold(policy, view: SlotView, obs: Observation, aux):
         snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
         snaps["snap_queries"] = snaps["snap_queries"] + 1
         aux = dict(aux, **_stored(policy, snaps))
-        due = (view.step + 1) % (policy.p["horizon"] // policy.p["snapshots"]) == 0
+        due = (view.step + 1) % (policy.params.horizon // policy.params.snapshots) == 0
         aux = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due),
                        lambda aux: aux, aux)
     return evidence, aux
@@ -528,7 +608,7 @@ def _fit(policy, aux, snapshot, gathered, held):
 
     def loss_fn(params):
         prediction = predict(params, snapshot)
-        if policy.p["loss"] == "squared":
+        if policy.params.loss == "squared":
             error = jnp.where(held, prediction - label, 0.0)
             return jnp.sum(error * error) / jnp.maximum(count, 1).astype(jnp.float32)
         return _ranking_loss(prediction, label, held)
@@ -554,9 +634,9 @@ def _learn(policy, view: SlotView, evidence, due, aux):
     """At a row's snapshot step: label the slots of the snapshot due (taken ``horizon``
     queries ago) that still hold their item, take one optimizer step on them, then
     take that snapshot again from the slots held now."""
-    m = policy.p["snapshots"]
+    m = policy.params.snapshots
     snaps = _in_flight(policy, aux)
-    index = (view.step + 1) // (policy.p["horizon"] // m) % m  # [B]: the snapshot due in each row
+    index = (view.step + 1) // (policy.params.horizon // m) % m  # [B]: the snapshot due in each row
     due_now = {name: x[index, jnp.arange(due.shape[0])] for name, x in snaps.items()}
     # The same slots as snap_birth >= 0 (a lost item is forgotten as it goes), written as
     # before several snapshots could be in flight: XLA fuses the loss, and so rounds it,
@@ -603,11 +683,11 @@ def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
     missing = [name for name in ("params", "opt", *_SNAPSHOT) if not isinstance(aux, dict) or name not in aux]
     validate.require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
     # snap_features is [L?, M?, B, K, S, F]: the axes say which policy and layout made it.
-    expected = 4 + (policy.p["snapshots"] > 1) + layers_axis
+    expected = 4 + (policy.params.snapshots > 1) + layers_axis
     got = jnp.shape(aux["snap_features"])
     validate.require(len(got) == expected and got[-1] == len(FEATURES),
              f"aux['snap_features'] must have {expected} axes ending in {len(FEATURES)} features for "
-             f"snapshots={policy.p['snapshots']} and layers_axis={layers_axis}, got shape {list(got)}")
+             f"snapshots={policy.params.snapshots} and layers_axis={layers_axis}, got shape {list(got)}")
     # Protection does not change the step: one compile serves every budget.
     return _flush(policy.replace(sinks=0, recent=0, lag=0), aux, layers_axis)
 
@@ -682,37 +762,13 @@ def learned(
       hidden: width of the network (ignored when ``weights`` are given).
       sinks, recent, lag: protection, as for every policy (0 decides at H = 0).
     """
-    validate.require(weights is None or isinstance(weights, Weights),
-             f"weights must be flsmem.estimator.Weights (from load) or None, got {type(weights).__name__}")
-    validate.require(isinstance(online, bool), f"online must be a bool, got {online!r}")
-    validate.positive("learning_rate", learning_rate)
-    validate.require(label in ("peak", "sum"), f"label must be 'peak' or 'sum', got {label!r}")
-    validate.require(loss in ("squared", "ranking"), f"loss must be 'squared' or 'ranking', got {loss!r}")
-    validate.require(isinstance(horizon, int) and not isinstance(horizon, bool) and horizon >= 1,
-             f"horizon must be an int >= 1, got {horizon!r}")
-    validate.require(isinstance(snapshots, int) and not isinstance(snapshots, bool) and snapshots >= 1,
-             f"snapshots must be an int >= 1, got {snapshots!r}")
-    validate.require(horizon % snapshots == 0,
-             f"snapshots must divide horizon (a snapshot every horizon / snapshots queries), "
-             f"got snapshots={snapshots} for horizon={horizon}")
-    validate.require(isinstance(hidden, int) and not isinstance(hidden, bool) and hidden >= 1,
-             f"hidden must be an int >= 1, got {hidden!r}")
-    validate.nonneg_int("seed", seed)
-    validate.require(prior is None or prior in PRIORS, f"prior must be None or one of {tuple(PRIORS)}, got {prior!r}")
-    if weights is not None:
-        hidden = _hidden_of(weights.params)
-        shapes = jax.tree.map(np.shape, weights.params)
-        expected = jax.tree.map(np.shape, _shapes(hidden))
-        validate.require(shapes == expected, f"weights must fit an ImportanceNet of width {hidden}: "
-                                     f"expected shapes {expected}, got {shapes}")
+    params = LearnedParams(weights=weights, online=online, learning_rate=learning_rate, horizon=horizon,
+                           snapshots=snapshots, label=label, loss=loss, prior=prior, hidden=hidden, seed=seed)
     return Policy(
         name="learned", score=_score, fold=_fold, init_evidence=_init_evidence, init_aux=_init_aux,
         fallback_score=_score_rmm, monitor=_monitor, num_evidence=_NUM_EVIDENCE,
         # The network costs more per slot than the fold: score only when evicting.
-        score_when_due=True, sinks=sinks, recent=recent, lag=lag,
-        params=(("weights", weights), ("online", online), ("learning_rate", float(learning_rate)),
-                ("horizon", horizon), ("snapshots", snapshots), ("label", label), ("loss", loss), ("prior", prior),
-                ("hidden", hidden), ("seed", seed)),
+        score_when_due=True, sinks=sinks, recent=recent, lag=lag, params=params,
     )
 
 
@@ -732,35 +788,31 @@ def guided(learner: Policy, behaviour: Policy) -> Policy:
       behaviour: a policy without state of its own (``init_aux`` None), such as the
         oracle; it ranks the slots for eviction.
     """
-    validate.require(isinstance(learner, Policy) and learner.name == "learned",
-             f"learner must be the learned policy, got {getattr(learner, 'name', learner)!r}")
-    validate.require(isinstance(behaviour, Policy) and behaviour.init_aux is None and behaviour.evicts,
-             f"behaviour must be a policy that evicts and keeps no state of its own, "
-             f"got {getattr(behaviour, 'name', behaviour)!r}")
+    params = GuidedParams(learner=learner, behaviour=behaviour)
     return Policy(
         name=f"{learner.name}@{behaviour.name}", score=_guided_score, fold=_guided_fold,
         init_evidence=_guided_init_evidence, init_aux=_guided_init_aux, monitor=_guided_monitor,
         num_evidence=learner.num_evidence + behaviour.num_evidence, normalise_by_age=behaviour.normalise_by_age,
         needs_future=behaviour.needs_future, sinks=learner.sinks, recent=learner.recent, lag=learner.lag,
         # The learner's features are of the attention reduced as it was trained on.
-        head_reduction=learner.head_reduction, params=(("behaviour", behaviour), ("learner", learner)),
+        head_reduction=learner.head_reduction, params=params,
     )
 
 
 # The guided policy's parts: module functions, so that equal learners and behaviours give
 # equal policies (one compile), each part handing its own evidence to its own policy.
 def _guided_views(policy, view):
-    width = policy.p["learner"].num_evidence
+    width = policy.params.learner.num_evidence
     return view._replace(evidence=view.evidence[..., :width]), view._replace(evidence=view.evidence[..., width:])
 
 
 def _guided_score(policy, view, aux):
-    behaviour = policy.p["behaviour"]
+    behaviour = policy.params.behaviour
     return behaviour.score(behaviour, _guided_views(policy, view)[1], None)
 
 
 def _guided_fold(policy, view, obs, aux):
-    learner, behaviour = policy.p["learner"], policy.p["behaviour"]
+    learner, behaviour = policy.params.learner, policy.params.behaviour
     mine, theirs = _guided_views(policy, view)
     evidence, aux = learner.fold(learner, mine, obs, aux)
     if behaviour.fold is not None:
@@ -769,7 +821,7 @@ def _guided_fold(policy, view, obs, aux):
 
 
 def _guided_init_evidence(policy, payload, position, birth):
-    learner, behaviour = policy.p["learner"], policy.p["behaviour"]
+    learner, behaviour = policy.params.learner, policy.params.behaviour
     mine = learner.init_evidence(learner, payload, position, birth)
     theirs = (jnp.zeros(position.shape + (behaviour.num_evidence,), jnp.float32) if behaviour.init_evidence is None
               else behaviour.init_evidence(behaviour, payload, position, birth))
@@ -777,11 +829,13 @@ def _guided_init_evidence(policy, payload, position, birth):
 
 
 def _guided_init_aux(policy, batch, kv_heads, slots):
-    return policy.p["learner"].init_aux(policy.p["learner"], batch, kv_heads, slots)
+    learner = policy.params.learner
+    return learner.init_aux(learner, batch, kv_heads, slots)
 
 
 def _guided_monitor(policy, aux):
-    return policy.p["learner"].monitor(policy.p["learner"], aux)
+    learner = policy.params.learner
+    return learner.monitor(learner, aux)
 
 
 def from_checkpoint(path, *, online: bool = True, learning_rate: float = 1e-3, fresh: bool = False,

@@ -3,19 +3,49 @@ key-norm eviction and random eviction."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from flsmem import validate
-from flsmem.policies.base import Policy, score_first
-from flsmem.typing import Array
+from flsmem.policies.base import Params, Policy, score_first
+from flsmem.typing import Array, PyTree
 
-__all__ = ["key_norm", "random"]
+__all__ = ["KeyNormParams", "RandomParams", "key_norm", "random"]
 
 
-def _init_key_norm(policy, payload, position, birth):
-    leaf = policy.p["leaf"]
+@dataclasses.dataclass(frozen=True)
+class KeyNormParams(Params):
+    """Parameters of key-norm eviction (:func:`key_norm`).
+
+    Attributes:
+      leaf: the payload entry holding the keys.
+    """
+
+    leaf: str = "k"
+
+    def __post_init__(self):
+        validate.require(isinstance(self.leaf, str), f"leaf must be a str, got {self.leaf!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomParams(Params):
+    """Parameters of random eviction (:func:`random`).
+
+    Attributes:
+      seed: non-negative int mixed into every item's hash.
+    """
+
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "seed", validate.nonneg_int("seed", self.seed))
+
+
+def _init_key_norm(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Array:
+    leaf = policy.params.leaf
     if not isinstance(payload, dict) or leaf not in payload:
         raise ValueError(
             f"key_norm(leaf={leaf!r}) needs a payload dict with a {leaf!r} entry, "
@@ -36,12 +66,12 @@ def _hash32(x: Array) -> Array:
     return x ^ (x >> 16)
 
 
-def _init_random(policy, payload, position, birth):
+def _init_random(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Array:
     b, k, q = position.shape
     row = lax.broadcasted_iota(jnp.uint32, (b, k, q), 0) * jnp.uint32(k) + lax.broadcasted_iota(
         jnp.uint32, (b, k, q), 1
     )
-    h = _hash32(jnp.uint32(policy.p["seed"]) ^ _hash32(row))
+    h = _hash32(jnp.uint32(policy.params.seed) ^ _hash32(row))
     h = _hash32(h ^ position.astype(jnp.uint32))
     return ((h >> 8).astype(jnp.float32) * (1.0 / (1 << 24)))[..., None]
 
@@ -53,12 +83,11 @@ def key_norm(leaf: str = "k") -> Policy:
     payload entry ``leaf`` when the item is written.
     """
     return Policy(name="key_norm", score=score_first, init_evidence=_init_key_norm,
-                  params=(("leaf", leaf),))
+                  params=KeyNormParams(leaf=leaf))
 
 
 def random(seed: int = 0) -> Policy:
     """Random eviction: each item draws a fixed uniform score from a hash of
     (seed, batch row, KV head, position), so runs are reproducible."""
-    validate.nonneg_int("seed", seed)
     return Policy(name="random", score=score_first, init_evidence=_init_random,
-                  params=(("seed", seed),))
+                  params=RandomParams(seed=seed))

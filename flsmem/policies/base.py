@@ -1,7 +1,7 @@
-"""What every policy is made of: :class:`Policy` and the views it reads.
+"""What every policy is made of: :class:`Policy`, the views it reads, typed parameters.
 
 A policy is a frozen, hashable :class:`Policy`: a few module-level pure functions and
-their parameters, in the way optax builds a transformation from ``init`` and
+their typed :class:`Params`, in the way optax builds a transformation from ``init`` and
 ``update``. Two policies built with the same arguments compare equal, so a config
 holding one can be a static argument of ``jax.jit`` without retracing.
 
@@ -17,13 +17,14 @@ What every policy shares, and the memory applies for it:
   GQA group to one attention row per KV head with ``head_reduction``.
 
 Adding a policy is one short factory: pick or write a ``fold`` (evidence update for one
-query) and a ``score`` (evidence to score) and return ``Policy(...)``.
+query) and a ``score`` (evidence to score), a :class:`Params` dataclass for what the
+functions read, and return ``Policy(...)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
@@ -37,6 +38,7 @@ __all__ = [
     "InitEvidenceFn",
     "MonitorFn",
     "Observation",
+    "Params",
     "Policy",
     "ScoreFn",
     "SlotView",
@@ -85,6 +87,36 @@ class Observation(NamedTuple):
     future: Float[Array, "B K S"] | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """The typed parameters of a policy family: subclasses are frozen dataclasses whose
+    fields are the values the family's functions read, checked in ``__post_init__``.
+
+    Frozen dataclasses hash and compare by type and field values, so a policy holding
+    its parameters stays a static argument of ``jax.jit``; a field name misspelt by a
+    reader fails when the module is traced rather than reading a default.
+    """
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The parameter names of this family, in declaration order."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    def replace(self, **changes) -> "Params":
+        """A copy with some parameters changed, checked again.
+
+        Raises:
+          ValueError: a name is not a parameter of this family; the message lists the
+            names that are.
+        """
+        allowed = self.names()
+        unknown = [name for name in changes if name not in allowed]
+        if unknown:
+            validate.fail(f"unknown parameter {', '.join(map(repr, unknown))} of {type(self).__name__}; "
+                          f"its parameters are {allowed}")
+        return dataclasses.replace(self, **changes)
+
+
 FoldFn = Callable[["Policy", SlotView, Observation, PyTree], tuple[Array, PyTree]]
 ScoreFn = Callable[["Policy", SlotView, PyTree], Array]
 InitEvidenceFn = Callable[["Policy", PyTree, Array, Array], Array]
@@ -114,8 +146,9 @@ class Policy:
       monitor: ``monitor(policy, aux) -> {name: [B] array}`` figures of the policy's
         state added to :func:`flsmem.summary`; None adds nothing.
       num_evidence: E, statistics kept per slot.
-      params: the policy's own parameters as sorted ``(name, value)`` pairs; read them
-        with :attr:`p`.
+      params: the family's typed :class:`Params`, read as attributes
+        (``policy.params.decay``); None for a policy without parameters. Change them
+        with :meth:`with_params`.
       sinks: items whose position is below this are protected (attention sinks).
       recent: the most recent ``recent`` items are protected.
       lag: commit lag H: a slot is protected until it has seen H queries after its
@@ -142,7 +175,7 @@ class Policy:
     fallback_score: ScoreFn | None = None
     monitor: MonitorFn | None = None
     num_evidence: int = 1
-    params: tuple[tuple[str, Any], ...] = ()
+    params: Params | None = None
     sinks: int = 0
     recent: int = 0
     lag: int = 0
@@ -160,10 +193,7 @@ class Policy:
             isinstance(self.num_evidence, int) and self.num_evidence >= 1,
             f"num_evidence must be an int >= 1, got {self.num_evidence!r}",
         )
-        validate.require(
-            self.head_reduction in HEAD_REDUCTIONS,
-            f"head_reduction must be one of {HEAD_REDUCTIONS}, got {self.head_reduction!r}",
-        )
+        validate.one_of("head_reduction", self.head_reduction, HEAD_REDUCTIONS)
         validate.require(
             isinstance(self.normalise_by_age, bool),
             f"normalise_by_age must be a bool, got {self.normalise_by_age!r}",
@@ -172,12 +202,10 @@ class Policy:
             isinstance(self.score_when_due, bool),
             f"score_when_due must be a bool, got {self.score_when_due!r}",
         )
-        object.__setattr__(self, "params", tuple(sorted(self.params)))
-
-    @property
-    def p(self) -> dict[str, Any]:
-        """The policy's parameters as a dict."""
-        return dict(self.params)
+        validate.require(
+            self.params is None or isinstance(self.params, Params),
+            f"params must be a flsmem.policies.Params or None, got {type(self.params).__name__}",
+        )
 
     @property
     def protected_age(self) -> int:
@@ -188,13 +216,25 @@ class Policy:
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
 
+    def with_params(self, **changes) -> "Policy":
+        """A copy with some of its typed parameters changed, checked again.
 
-def weight(policy: Policy, obs: Observation) -> Float[Array, "B 1 1"]:
+        Raises:
+          ValueError: a name is not one of this policy's parameters; the message lists
+            the names that are.
+        """
+        if self.params is None:
+            validate.require(not changes, f"policy {self.name!r} has no parameters, got {tuple(changes)}")
+            return self
+        return self.replace(params=self.params.replace(**changes))
+
+
+def weight(weighted: bool, obs: Observation) -> Float[Array, "B 1 1"]:
     """The correctness weight of the query, or 1 for an unweighted policy."""
-    w = obs.weight if policy.p.get("weighted", False) else jnp.ones_like(obs.weight)
+    w = obs.weight if weighted else jnp.ones_like(obs.weight)
     return w[:, None, None]
 
 
-def score_first(policy, view, aux):
+def score_first(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     """The score held in the first evidence column."""
     return view.evidence[..., 0]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from flsmem.policies.base import Policy, score_first
+from flsmem.policies.base import Observation, Policy, SlotView, score_first
+from flsmem.typing import PyTree
 
 __all__ = ["oracle"]
 
 
-def _fold_future(policy, view, obs, aux):
+def _fold_future(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     e = view.evidence[..., 0]
     return jnp.where(view.present, obs.future, e)[..., None], aux
 

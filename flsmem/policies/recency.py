@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from flsmem.policies.base import Policy
+from flsmem.policies.base import Policy, SlotView
+from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["full", "streaming_llm", "window"]
 
 
-def _score_recency(policy, view, aux):
+def _score_recency(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     # Exact in float32 up to 2^24 steps.
     return view.birth.astype(jnp.float32)
 

@@ -3,20 +3,45 @@ slot: Scissorhands (below-average steps) and SnapKV (pooled attention votes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from flsmem import validate
-from flsmem.policies.base import Policy, weight
+from flsmem.policies.base import Observation, Params, Policy, SlotView, weight
+from flsmem.typing import Array, Float, PyTree
 
-__all__ = ["scissorhands", "snapkv"]
+__all__ = ["SnapKVParams", "scissorhands", "snapkv"]
+
+POOLINGS = ("avg", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKVParams(Params):
+    """Parameters of SnapKV's scoring (:func:`snapkv`); the window is the ring's width.
+
+    Attributes:
+      kernel_size: neighbouring items, in position order, the votes are pooled over.
+      pooling: "avg" (zero padded, divided by the kernel size) or "max".
+      weighted: weight each query's attention by its correctness.
+    """
+
+    kernel_size: int = 5
+    pooling: str = "avg"
+    weighted: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "kernel_size", validate.positive_int("kernel_size", self.kernel_size))
+        validate.one_of("pooling", self.pooling, POOLINGS)
+        validate.require(isinstance(self.weighted, bool), f"weighted must be a bool, got {self.weighted!r}")
 
 
 def _fold_ring(value_fn):
     """Store this query's per-slot value in a ring buffer of the last E queries."""
 
-    def fold(policy, view, obs, aux):
+    def fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
         value = value_fn(policy, view, obs)
         width = policy.num_evidence
         column = jax.nn.one_hot(view.step % width, width, dtype=jnp.bool_)  # [B, E]
@@ -26,11 +51,11 @@ def _fold_ring(value_fn):
     return fold
 
 
-def _snapkv_value(policy, view, obs):
-    return weight(policy, obs) * obs.attention
+def _snapkv_value(policy: Policy, view: SlotView, obs: Observation):
+    return weight(policy.params.weighted, obs) * obs.attention
 
 
-def _scissorhands_value(policy, view, obs):
+def _scissorhands_value(policy: Policy, view: SlotView, obs: Observation):
     n = jnp.sum(view.present, axis=-1, keepdims=True).astype(jnp.float32)
     return (obs.attention * n < 1.0).astype(jnp.float32)
 
@@ -39,15 +64,13 @@ _fold_snapkv = _fold_ring(_snapkv_value)
 _fold_scissorhands = _fold_ring(_scissorhands_value)
 
 
-def _score_unimportance(policy, view, aux):
+def _score_unimportance(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     return -jnp.sum(view.evidence, axis=-1)
 
 
-def _score_snapkv(policy, view, aux):
+def _score_snapkv(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     votes = jnp.sum(view.evidence, axis=-1)
-    return _pool_by_position(
-        votes, view.position, view.present, policy.p["kernel_size"], policy.p["pooling"]
-    )
+    return _pool_by_position(votes, view.position, view.present, policy.params.kernel_size, policy.params.pooling)
 
 
 def _pool_by_position(x, position, present, kernel_size, pooling):
@@ -79,7 +102,7 @@ def scissorhands(history: int = 32, *, recent: int = 0) -> Policy:
     highest counts (score = -count). For items that have seen the whole history window
     this ranks exactly as the count of above-uniform steps.
     """
-    validate.require(isinstance(history, int) and history >= 1, f"history must be an int >= 1, got {history!r}")
+    history = validate.positive_int("history", history)
     return Policy(
         name="scissorhands", score=_score_unimportance, fold=_fold_scissorhands,
         num_evidence=history, recent=recent,
@@ -93,17 +116,11 @@ def snapkv(window: int = 32, *, kernel_size: int = 5, pooling: str = "avg") -> P
     window at the end of the prompt), pooled ("avg" or "max", zero padded) over the
     ``kernel_size`` neighbouring items held, in position order (at prefill, before
     anything is evicted, the neighbouring positions); the window's own tokens are
-    protected. Built for prefill
-    compression: write and observe the prompt, then ``evict(state, budget=...)``.
+    protected. Built for prefill compression: write and observe the prompt, then
+    ``evict(state, budget=...)``.
     """
-    validate.require(isinstance(window, int) and window >= 1, f"window must be an int >= 1, got {window!r}")
-    validate.require(
-        isinstance(kernel_size, int) and kernel_size >= 1,
-        f"kernel_size must be an int >= 1, got {kernel_size!r}",
-    )
-    validate.require(pooling in ("avg", "max"), f"pooling must be 'avg' or 'max', got {pooling!r}")
+    window = validate.positive_int("window", window)
     return Policy(
         name="snapkv", score=_score_snapkv, fold=_fold_snapkv, num_evidence=window,
-        recent=window,
-        params=(("kernel_size", kernel_size), ("pooling", pooling), ("weighted", False)),
+        recent=window, params=SnapKVParams(kernel_size=kernel_size, pooling=pooling),
     )
