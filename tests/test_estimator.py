@@ -230,7 +230,7 @@ def test_head_features_by_hand():
     head = {"head_far": jnp.array([[4.0, 2.0]]), "head_far_right": jnp.array([[3.0, 0.5]]),
             "head_right": jnp.array([2.0]), "head_queries": jnp.array([4.0])}
     shape = (1, 2, 3)
-    x = E.features(jnp.zeros(shape + (E._NUM_EVIDENCE,)), jnp.ones(shape, jnp.int32), jnp.array([3]),
+    x = E.features(jnp.zeros(shape + (E.learned().num_evidence,)), jnp.ones(shape, jnp.int32), jnp.array([3]),
                    jnp.ones(shape, jnp.int32), head)
     mass = np.asarray(x[..., E.FEATURES.index("log_head_far_mass")])
     retrieval = np.asarray(x[..., E.FEATURES.index("head_retrieval")])
