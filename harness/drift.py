@@ -138,8 +138,8 @@ def _errors(policy: P.Policy, q_over_r: jax.Array, plan: Plan):
     shape = (rows, reps, slots)
     free = jnp.zeros((rows, reps, config.capacity - slots))
     drift = jnp.sqrt(q_over_r)[:, None, None]
-    scale = 1.0 - policy.p["decay"] if policy.name == "ema" else 1.0
-    adaptive = policy.p.get("adaptive", False)
+    scale = 1.0 - policy.params.decay if policy.name == "ema" else 1.0
+    adaptive = isinstance(policy.params, P.KalmanParams) and policy.params.adaptive
     key = jax.random.key(plan.seed)
 
     def step(carry, t):

@@ -156,6 +156,19 @@ def test_carry_over_averages_layers():
     assert set(carried) == {"params", "opt", "loss", "labels", "updates", "skipped"}
 
 
+def test_learned_params_are_typed_and_checked_when_changed():
+    policy = E.learned(horizon=8, snapshots=2)
+    assert isinstance(policy.params, E.LearnedParams) and policy.params.horizon == 8
+    assert policy.with_params(horizon=16).params.horizon == 16
+    with pytest.raises(ValueError, match=r"unknown parameter 'horizn' of LearnedParams; its parameters are "
+                                         r"\('weights', 'online', 'learning_rate', 'horizon'"):
+        policy.with_params(horizn=16)
+    with pytest.raises(ValueError, match="snapshots must divide horizon"):
+        policy.with_params(snapshots=3)
+    with pytest.raises(ValueError, match="behaviour must be a policy that evicts"):
+        E.guided(policy, P.oracle()).with_params(behaviour=P.full())
+
+
 def test_weights_hash_by_content():
     a = E.Weights(E.init_params(8, seed=0))
     assert a == E.Weights(E.init_params(8, seed=0)) and hash(a) == hash(E.Weights(E.init_params(8, seed=0)))
@@ -218,7 +231,7 @@ def test_head_features_by_hand():
     head = {"head_far": jnp.array([[4.0, 2.0]]), "head_far_right": jnp.array([[3.0, 0.5]]),
             "head_right": jnp.array([2.0]), "head_queries": jnp.array([4.0])}
     shape = (1, 2, 3)
-    x = E.features(jnp.zeros(shape + (E._NUM_EVIDENCE,)), jnp.ones(shape, jnp.int32), jnp.array([3]),
+    x = E.features(jnp.zeros(shape + (E.learned().num_evidence,)), jnp.ones(shape, jnp.int32), jnp.array([3]),
                    jnp.ones(shape, jnp.int32), head)
     mass = np.asarray(x[..., E.FEATURES.index("log_head_far_mass")])
     retrieval = np.asarray(x[..., E.FEATURES.index("head_retrieval")])
@@ -258,11 +271,11 @@ def test_the_harness_variants_share_the_shipped_settings():
     variants = {name: make_policy(name, 64) for name in ("learned", "learned_offline", "learned_scratch")}
     for policy in variants.values():
         assert policy.recent == 32 and policy.lag == 0  # h2o's window, no commit lag
-        assert policy.p["horizon"] == settings["horizon"] and policy.p["prior"] == settings["prior"]
-        assert policy.p["snapshots"] == settings.get("snapshots", 1)
-    assert variants["learned"].p["weights"] == shipped and variants["learned"].p["online"]
-    assert variants["learned_offline"].p["weights"] == shipped and not variants["learned_offline"].p["online"]
-    assert variants["learned_scratch"].p["weights"] is None and variants["learned_scratch"].p["online"]
+        assert policy.params.horizon == settings["horizon"] and policy.params.prior == settings["prior"]
+        assert policy.params.snapshots == settings.get("snapshots", 1)
+    assert variants["learned"].params.weights == shipped and variants["learned"].params.online
+    assert variants["learned_offline"].params.weights == shipped and not variants["learned_offline"].params.online
+    assert variants["learned_scratch"].params.weights is None and variants["learned_scratch"].params.online
 
 
 # ------------------------------------------------------ several snapshots in flight
@@ -404,8 +417,8 @@ def test_snapshots_split_with_the_rows_when_sharded():
 def test_from_checkpoint_reads_snapshots_and_defaults_to_one(tmp_path):
     E.save(tmp_path / "many", E.init_params(8), {"horizon": 8, "snapshots": 4})
     E.save(tmp_path / "one", E.init_params(8), {"horizon": 8})
-    assert E.from_checkpoint(tmp_path / "many").p["snapshots"] == 4
-    assert E.from_checkpoint(tmp_path / "one").p["snapshots"] == 1
+    assert E.from_checkpoint(tmp_path / "many").params.snapshots == 4
+    assert E.from_checkpoint(tmp_path / "one").params.snapshots == 1
 
 
 def _table_stream(policy, budget, steps=48, batch=2, kv_heads=2):

@@ -263,3 +263,60 @@ def test_nonfinite_score_falls_back_and_is_counted():
     assert testing.kept_positions(state)[0][0] == {0, 2}
     assert int(state.stats.fallbacks[0]) >= 1
 
+
+
+# ------------------------------------------------------- registry and typed parameters
+
+NAMES = ("full", "window", "streaming_llm", "h2o", "tova", "ema", "rmm", "scissorhands", "snapkv",
+         "key_norm", "random", "kalman", "oracle", "lag_window", "use_recency")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_registry_entry_builds(name):
+    policy = P.make(name)
+    assert isinstance(policy, P.Policy) and policy.name == name
+    # Equal and hashable: a config holding it is one static argument of jit.
+    assert policy == P.REGISTRY[name]() and hash(policy) == hash(P.REGISTRY[name]())
+
+
+def test_registry_holds_the_public_policies():
+    assert tuple(P.REGISTRY) == NAMES
+
+
+def test_make_passes_keywords_to_the_factory():
+    assert P.make("rmm", lag=8, decay=0.9) == P.rmm(lag=8, decay=0.9)
+    assert P.make("snapkv", window=4, pooling="max").params == P.SnapKVParams(pooling="max")
+
+
+def test_make_names_an_unknown_policy_and_lists_the_known():
+    with pytest.raises(ValueError, match=r"policy must be one of \('full', 'window'.*'use_recency'\), got 'h20'"):
+        P.make("h20")
+
+
+def test_make_names_an_unknown_keyword_and_lists_the_allowed():
+    with pytest.raises(ValueError, match=r"policy 'rmm' has no keyword 'decy'; its keywords are \('lag', 'recent', 'decay'\)"):
+        P.make("rmm", decy=0.9)
+    with pytest.raises(ValueError, match=r"no keyword 'decay'; its keywords are \(\)"):
+        P.make("window", decay=0.9)
+
+
+def test_typed_params_are_attributes_and_changes_are_checked():
+    policy = P.kalman(q=0.1, adaptive=True)
+    assert isinstance(policy.params, P.KalmanParams) and policy.params.q == 0.1 and policy.params.adaptive
+    changed = policy.with_params(beta=0.5)
+    assert changed.params.beta == 0.5 and changed.params.q == 0.1 and changed.name == "kalman"
+    assert P.ema(0.5).with_params(decay=0.5) == P.ema(0.5)
+    assert hash(P.ema(1)) == hash(P.ema(1.0))
+    with pytest.raises(ValueError, match=r"unknown parameter 'bta' of KalmanParams; its parameters are "
+                                         r"\('q', 'r', 'adaptive', 'beta', 'weighted'\)"):
+        policy.with_params(bta=0.5)
+    with pytest.raises(ValueError, match="beta must be a number in"):
+        policy.with_params(beta=2.0)
+    with pytest.raises(ValueError, match="policy 'window' has no parameters"):
+        P.window().with_params(decay=0.5)
+    with pytest.raises(ValueError, match="params must be a flsmem.policies.Params"):
+        P.h2o().replace(params=(("decay", 1.0),))
+    with pytest.raises(ValueError, match="weighted must be a bool"):
+        P.ema(weighted=1)
+    with pytest.raises(ValueError, match="use_threshold must be a number or None"):
+        P.use_recency(use_threshold="high")

@@ -61,7 +61,7 @@ def test_snapshots_and_flush_label_to_the_end_of_the_stream(tmp_path):
     assert int(learned["updates"]) == 1 and int(learned["labels"]) > 0 and np.isfinite(float(learned["loss"]))
     settings = E.load_settings(tmp_path / "out")
     assert settings["snapshots"] == 4 and settings["flush"] is True
-    assert E.from_checkpoint(tmp_path / "out").p["snapshots"] == 4
+    assert E.from_checkpoint(tmp_path / "out").params.snapshots == 4
     args = T._parser().parse_args(["--horizon", "256", "--snapshots", "8", "--flush"])
     assert (args.horizon, args.snapshots, args.flush) == (256, 8, True)
     assert not T._parser().parse_args([]).flush

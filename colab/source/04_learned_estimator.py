@@ -59,7 +59,7 @@ print(f"ImportanceNet with {count:,} parameters; trained with horizon {settings[
       f"label {settings['label']!r}, loss {settings['loss']!r}, prior {settings['prior']!r}")
 print(f"{len(estimator.FEATURES)} features:", ", ".join(estimator.FEATURES))
 shipped = estimator.from_checkpoint(CHECKPOINT, online=True)
-print(shipped.name, "policy, online:", shipped.p["online"], "| horizon", shipped.p["horizon"])
+print(shipped.name, "policy, online:", shipped.params.online, "| horizon", shipped.params.horizon)
 
 # %% [markdown]
 # ## Online learning inside a jitted loop

@@ -1,0 +1,62 @@
+"""Eviction policies: how evidence is folded and how a slot's score is committed.
+
+What a policy is and what every policy shares lives in :mod:`~flsmem.policies.base`;
+the policies come in families, one module each: :mod:`~flsmem.policies.recency`
+(full, window, StreamingLLM), :mod:`~flsmem.policies.accumulate` (H2O, TOVA, EMA, RMM
+and the two presets), :mod:`~flsmem.policies.windowed` (Scissorhands, SnapKV),
+:mod:`~flsmem.policies.at_write` (key norm, random), :mod:`~flsmem.policies.kalman`
+and :mod:`~flsmem.policies.oracle`. :data:`REGISTRY` maps each name to its factory and
+:func:`make` builds one by name. The learned estimator's policy lives in
+:mod:`flsmem.estimator`.
+"""
+
+from flsmem.policies.accumulate import (
+    DecayParams,
+    LagWindowParams,
+    UseRecencyParams,
+    ema,
+    h2o,
+    lag_window,
+    rmm,
+    tova,
+    use_recency,
+)
+from flsmem.policies.at_write import KeyNormParams, RandomParams, key_norm, random
+from flsmem.policies.base import HEAD_REDUCTIONS, Observation, Params, Policy, SlotView
+from flsmem.policies.kalman import KalmanParams, kalman
+from flsmem.policies.oracle import oracle
+from flsmem.policies.recency import full, streaming_llm, window
+from flsmem.policies.registry import REGISTRY, make
+from flsmem.policies.windowed import SnapKVParams, scissorhands, snapkv
+
+__all__ = [
+    "DecayParams",
+    "HEAD_REDUCTIONS",
+    "KalmanParams",
+    "KeyNormParams",
+    "LagWindowParams",
+    "Observation",
+    "Params",
+    "Policy",
+    "REGISTRY",
+    "RandomParams",
+    "SlotView",
+    "SnapKVParams",
+    "UseRecencyParams",
+    "ema",
+    "full",
+    "h2o",
+    "kalman",
+    "key_norm",
+    "lag_window",
+    "make",
+    "oracle",
+    "random",
+    "rmm",
+    "scissorhands",
+    "snapkv",
+    "streaming_llm",
+    "tova",
+    "use_recency",
+    "window",
+]
