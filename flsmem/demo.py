@@ -73,22 +73,25 @@ def attention_recall(config: flsmem.MemoryConfig, table: jax.Array, correctness:
 
 
 def default_policies(lag: int = 16) -> list[P.Policy]:
-    """One of each policy, with the protection their papers use scaled to the demo."""
-    return [
-        P.streaming_llm(sinks=4),
-        P.window(),
-        P.h2o(recent=lag),
-        P.tova(),
-        P.scissorhands(history=32, recent=lag),
-        P.snapkv(window=lag),
-        P.ema(0.9, recent=lag),
-        P.rmm(lag=lag),
-        P.kalman(q=0.01, r=1.0, adaptive=True, lag=lag),
-        P.lag_window(lag=lag),
-        P.use_recency(lag=lag),
-        P.random(seed=0),
-        P.oracle(),
-    ]
+    """Every policy of :data:`flsmem.policies.REGISTRY` but ``full`` (the reference) and
+    ``key_norm`` (the demo's items have no keys), with the protection their papers use
+    scaled to the demo."""
+    settings = {
+        "streaming_llm": {"sinks": 4},
+        "window": {},
+        "h2o": {"recent": lag},
+        "tova": {},
+        "scissorhands": {"history": 32, "recent": lag},
+        "snapkv": {"window": lag},
+        "ema": {"decay": 0.9, "recent": lag},
+        "rmm": {"lag": lag},
+        "kalman": {"q": 0.01, "r": 1.0, "adaptive": True, "lag": lag},
+        "lag_window": {"lag": lag},
+        "use_recency": {"lag": lag},
+        "random": {"seed": 0},
+        "oracle": {},
+    }
+    return [P.make(name, **keywords) for name, keywords in settings.items()]
 
 
 def run_demo(

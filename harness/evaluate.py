@@ -133,29 +133,25 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     """
     half = budget // 2
     lag = min(lag, half)
-    table = {
-        "full": P.full,
-        "oracle": lambda: P.oracle().replace(recent=half),
-        "streaming_llm": lambda: P.streaming_llm(sinks=min(4, budget)),
-        "window": P.window,
-        "h2o": lambda: P.h2o(recent=half),
-        "tova": P.tova,
-        "scissorhands": lambda: P.scissorhands(history=32, recent=half),
-        "snapkv": lambda: P.snapkv(window=max(1, min(32, half))),
-        "key_norm": P.key_norm,
-        "random": P.random,
-        "ema": lambda: P.ema(0.9, recent=half),
-        "rmm": lambda: P.rmm(lag=lag, recent=half),
-        "kalman": lambda: P.kalman(q=0.01, r=1.0, adaptive=True, recent=half),
-        "lag_window": lambda: P.lag_window(lag=lag),
-        "use_recency": lambda: P.use_recency(lag=lag),
-    }
     if name in LEARNED_NAMES:
         # Decides at H = 0 (no commit lag) behind the same recent window as h2o and rmm.
         return learned_policy(name, str(estimator or ESTIMATOR_DIR)).replace(recent=half)
-    if name not in table:
+    if name not in POLICY_NAMES:
         raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES}, got {name!r}")
-    return table[name]()
+    # Keywords of each factory of flsmem.policies.REGISTRY, scaled to the budget.
+    settings = {
+        "streaming_llm": {"sinks": min(4, budget)},
+        "h2o": {"recent": half},
+        "scissorhands": {"history": 32, "recent": half},
+        "snapkv": {"window": max(1, min(32, half))},
+        "ema": {"decay": 0.9, "recent": half},
+        "rmm": {"lag": lag, "recent": half},
+        "kalman": {"q": 0.01, "r": 1.0, "adaptive": True, "recent": half},
+        "lag_window": {"lag": lag},
+        "use_recency": {"lag": lag},
+    }
+    policy = P.make(name, **settings.get(name, {}))
+    return policy.replace(recent=half) if name == "oracle" else policy
 
 
 def _split(model: Decoder):
