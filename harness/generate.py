@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, fail) -> list[str]:
     if not 0 < args.top_p <= 1:
         fail(f"--top-p must be in (0, 1], got {args.top_p}")
     try:
-        catalog.check(args.model)
+        catalog.load_tokenizer(args.model)  # an unsupported model file fails here, before its weights load
     except ValueError as error:
         fail(str(error))
     try:

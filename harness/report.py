@@ -131,9 +131,9 @@ def run(args: argparse.Namespace) -> list:
     with checking(COMMAND):
         policies, budgets, prefill = check_arguments(args)
     begin = time.perf_counter()
-    tokenizer = catalog.load_tokenizer(args.model)
-    # The windows are checked against the text before the model is loaded.
+    # The model file and the windows are checked against the text before the model loads.
     with checking(COMMAND):
+        tokenizer = catalog.load_tokenizer(args.model)
         windows = _windows(args, tokenizer.encode(load_text(args.text)))
     model, _ = catalog.load(args.model)
     byte_counts = np.array([

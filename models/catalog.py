@@ -49,7 +49,13 @@ def load(name: str):
 
 
 def load_tokenizer(name: str):
-    """The tokenizer of a model name or GGUF path, without the model's weights."""
+    """The tokenizer of a model name or GGUF path, without the model's weights; for a
+    file, its architecture is checked first, so an unsupported model fails here.
+
+    Raises:
+      ValueError: ``--model NAME: ...``, an unsupported file, architecture, tensor
+        type or tokenizer.
+    """
     if name in ("tiny", "tiny-tasks"):
         from flsmem.models.data import ByteTokenizer
 
@@ -58,4 +64,10 @@ def load_tokenizer(name: str):
     from flsmem.models.smollm2 import gguf_path
     from flsmem.models.tokenizer import Tokenizer
 
-    return Tokenizer.from_gguf(gguf.read(gguf_path() if name == "smollm2-135m" else check(name)))
+    try:
+        reader = gguf.read(gguf_path() if name == "smollm2-135m" else check(name))
+        gguf.decoder_config(reader)
+        return Tokenizer.from_gguf(reader)
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith("--model") else f"--model {name}: {message}") from None

@@ -32,7 +32,7 @@ from flsmem.models.tokenizer import Tokenizer
 __all__ = ["ARCHITECTURES", "TENSOR_TYPES", "read", "decoder_config", "unpermute_rope", "load", "load_weights"]
 
 ARCHITECTURES = ("llama", "qwen2")
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 _GGUF_MAGIC = b"GGUF"
 
 

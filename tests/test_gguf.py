@@ -111,6 +111,7 @@ CASES = [
     ("llama", T.Q8_0, {}),
     ("llama", T.Q4_0, {}),
     ("llama", T.Q4_1, {}),
+    ("llama", T.Q5_0, {}),
     ("qwen2", T.Q4_K, {"bias": True}),
     ("qwen2", T.Q6_K, {"bias": True, "tied": False}),
 ]
@@ -132,8 +133,8 @@ def test_gguf_matches_llama_cpp_in_numpy(tmp_path, arch, kind, options):
 
 def test_unsupported_files_are_refused_by_name(tmp_path):
     path = tmp_path / "model.gguf"
-    _write(path, "llama", T.Q5_0)
-    with pytest.raises(ValueError, match=r"type Q5_0, which is not supported; supported: F32, F16, BF16"):
+    _write(path, "llama", T.Q5_1)
+    with pytest.raises(ValueError, match=r"type Q5_1, which is not supported; supported: F32, F16, BF16"):
         loader.load(path)
     other = tmp_path / "phi.gguf"
     writer = gguf.GGUFWriter(str(other), "phi3")

@@ -137,6 +137,10 @@ BAD_ARGUMENTS = {
                                    "--windows 1 windows of --context 64 + 1 tokens need 65 tokens, but --text "
                                    "{tmp}/short.txt has 12 tokens of the model's tokenizer"),
     "unknown model": (["eval", "--model", "gpt-2"], "--model"),
+    "model file missing": (["eval", "--model", "{tmp}/missing.gguf"], "--model: no GGUF file at {tmp}/missing.gguf"),
+    "model file not GGUF": (["eval", "--model", "{tmp}/notes.gguf"], "--model {tmp}/notes.gguf: {tmp}/notes.gguf is not a GGUF"),
+    "generate: model file not GGUF": (["generate", "--prompt", "x", "--model", "{tmp}/notes.gguf"],
+                                      "--model {tmp}/notes.gguf: {tmp}/notes.gguf is not a GGUF"),
     "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
     "windows 0": (["eval", "--windows", "0"], "--windows"),
@@ -178,6 +182,7 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, no
     (tmp_path / "binary.dat").write_bytes(bytes(range(256)))
     (tmp_path / "short.txt").write_text("Twelve bytes")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.gguf").write_text("not a model")
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as exit_:
         main([a.replace("{tmp}", str(tmp_path)) for a in argv])
