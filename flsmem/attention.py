@@ -32,7 +32,7 @@ __all__ = ["attend", "compress"]
 
 def attend(
     memory: MemoryState,
-    q: Float[Array, "B T H D"],
+    q: Float[Array, "B T H D"] | Float[Array, "B T K G D"],
     k: Float[Array, "B T K D"],
     v: Float[Array, "B T K D"],
     position: Int[Array, "B T"],
@@ -52,7 +52,8 @@ def attend(
     Args:
       memory: a KV memory (:func:`flsmem.init_kv`): one layer's, or every layer's
         stacked on a leading axis with ``layer`` naming this one.
-      q: ``[B, T, H, D]`` queries, position encoding already applied.
+      q: ``[B, T, H, D]`` queries, position encoding already applied (or already
+        grouped by KV head, ``[B, T, K, G, D]``; the output then has that shape).
       k: ``[B, T, K, D]`` keys, position encoding already applied.
       v: ``[B, T, K, D]`` values.
       position: ``[B, T]`` int, absolute position of each new item.
@@ -76,7 +77,7 @@ def attend(
     kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
     memory, seen = _write(memory, kv, position, layer, placement)
     keys, values = (memory.payload[name] if layer is None else memory.payload[name][layer] for name in ("k", "v"))
-    grouped = q.reshape(b, t, kv_heads, -1, head_dim)
+    grouped = q if jnp.ndim(q) == 5 else q.reshape(b, t, kv_heads, -1, head_dim)
     logits = jnp.einsum("BTKGD,BKSD->BKGTS", grouped, keys) * (head_dim ** -0.5 if scale is None else scale)
     probs = jax.nn.softmax(jnp.where(seen[:, :, None], logits, -jnp.inf), axis=-1)
     out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, values).reshape(q.shape)
@@ -123,9 +124,11 @@ def _check_qkv(memory, q, k, v, layer):
         validate.fail(f"k and v must be [B, T, K, D] with K={kv_heads}, D={head_dim}, got "
                       f"{list(jnp.shape(k))} and {list(jnp.shape(v))}")
     b, t = jnp.shape(k)[:2]
-    if jnp.ndim(q) != 4 or jnp.shape(q)[:2] != (b, t) or jnp.shape(q)[3] != head_dim or jnp.shape(q)[2] % kv_heads:
+    shape = jnp.shape(q)
+    heads_ok = shape[2] % kv_heads == 0 if len(shape) == 4 else len(shape) == 5 and shape[2] == kv_heads
+    if len(shape) not in (4, 5) or shape[:2] != (b, t) or shape[-1] != head_dim or not heads_ok:
         validate.fail(f"q must be [B, T, H, D] = [{b}, {t}, H, {head_dim}] with H a multiple of K={kv_heads}, "
-                      f"got {list(jnp.shape(q))}")
+                      f"or [B, T, K, G, D] = [{b}, {t}, {kv_heads}, G, {head_dim}], got {list(shape)}")
     return b, t, kv_heads, head_dim
 
 

@@ -155,9 +155,8 @@ class Attention(nnx.Module):
             probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
             out = jnp.einsum("BKGTS,BSKD->BTKGD", probs, v)
             return self.o(out.reshape(b, t, -1)), None, None
-        out, memories, attention = flsmem.attend(
-            memories, q.reshape(b, t, cfg.q_heads, cfg.head_dim), k, v, positions,
-            fold=False, layer=layer, placement=placed)
+        out, memories, attention = flsmem.attend(memories, q, k, v, positions, fold=False, layer=layer,
+                                                 placement=placed)
         return self.o(out.reshape(b, t, -1)), memories, attention
 
 
