@@ -43,6 +43,7 @@ examples from the training split (see :data:`flsmem.models.data.SPLITS`).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -103,6 +104,30 @@ def _digits(rng: np.random.Generator, n: int) -> str:
     return "".join(str(d) for d in rng.integers(0, 10, size=n))
 
 
+_Segments = list[tuple[str, int]]
+
+
+class _Insertions(NamedTuple):
+    """What a task inserts into the prose: segments of ``(text, code)``, code 0 for
+    context and :data:`EARLY`/:data:`LATE` for an answer's digits.
+
+    Attributes:
+      head: the pairs, at ``depth`` of the window.
+      depth: where the head goes, as a fraction of the window.
+      middle: the first queries, about a third of the way in; empty for none.
+      tail: the queries after the gap, which end the window.
+    """
+
+    head: _Segments
+    depth: float
+    middle: _Segments
+    tail: _Segments
+
+
+def _pairs_head(keys: list[str], values: list[str]) -> _Segments:
+    return [(" " + " ".join(QUERY + k + v for k, v in zip(keys, values)) + " ", 0)]
+
+
 def _chain_pairs(keys: list[str], rng: np.random.Generator):
     """The chain's pairs: three pointers (key -> another key) and the three pairs they
     point to, in random order. Returns ``(pointers, points_to, values, head segments)``."""
@@ -114,62 +139,82 @@ def _chain_pairs(keys: list[str], rng: np.random.Generator):
     return pointers, points_to, values, head
 
 
-def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator):
-    """One window: filler text with the task's insertions, and its answer codes."""
-    keys = list(rng.choice(list(KEY_LETTERS), size=PAIRS, replace=False))
-    # Segments of (text, code): code 0 for context, EARLY/LATE for an answer's digits.
-    if kind == "passkey":
-        value = _digits(rng, 1)
-        head = [(f" {QUERY}{keys[0]}{value} ", 0)]
-        depth = rng.uniform(0.05, 0.55)
-        middle: list[tuple[str, int]] = []
-        tail = [(f" {QUERY}{keys[0]}", 0), (value, LATE)]
-    elif kind in ("recall", "repeat"):
-        values = [_digits(rng, 1) for _ in keys]
-        head = [(" " + " ".join(QUERY + k + v for k, v in zip(keys, values)) + " ", 0)]
-        depth = rng.uniform(0.02, 0.1)
-        asked = rng.choice(PAIRS, size=QUERIES if kind == "recall" else 1, replace=False)
-        middle = []
-        for i in asked:
-            middle += [(f" {QUERY}{keys[i]}", 0), (values[i], EARLY)]
-        middle.append((" ", 0))
-        if kind == "recall":
-            tail = []
-            for i in rng.permutation(asked):
-                tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
-        else:
-            tail = [(f" {QUERY}{REPEAT}", 0), (values[asked[0]], LATE)]
-    elif kind == "chain":
-        pointers, points_to, values, head = _chain_pairs(keys, rng)
-        depth = rng.uniform(0.02, 0.1)
-        start_key = pointers[rng.integers(3)]
-        target = points_to[start_key]
-        # The model answers the pointer, then looks up its own answer.
-        middle = [(f" {QUERY}{start_key}", 0), (target, EARLY), (f" {QUERY}", 0), (target, EARLY),
-                  (values[target], EARLY), (" ", 0)]
-        tail = [(f" {QUERY}{start_key}{target} {QUERY}{target}", 0), (values[target], LATE)]
-    elif kind == "chain_drill":
-        # Training only: the chain's pairs, every pointer followed right away.
-        pointers, points_to, values, head = _chain_pairs(keys, rng)
-        depth = rng.uniform(0.0, 0.2)
-        middle = []
-        tail = []
-        for k in rng.permutation(pointers):
-            tail += [(f" {QUERY}{k}", 0), (points_to[k], LATE), (f" {QUERY}", 0), (points_to[k], LATE),
-                     (values[points_to[k]], LATE)]
-    elif kind == "drill":
-        # Training only: every pair queried right away, in another order; many lookups
-        # per window teach the lookup faster than the sparse tasks alone.
-        values = [_digits(rng, 1) for _ in keys]
-        head = [(" " + " ".join(QUERY + k + v for k, v in zip(keys, values)) + " ", 0)]
-        depth = rng.uniform(0.0, 0.2)
-        middle = []
-        tail = []
-        for i in rng.permutation(PAIRS):
-            tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
-    else:
-        raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
+def _passkey(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    value = _digits(rng, 1)
+    depth = rng.uniform(0.05, 0.55)
+    return _Insertions([(f" {QUERY}{keys[0]}{value} ", 0)], depth, [], [(f" {QUERY}{keys[0]}", 0), (value, LATE)])
 
+
+def _asked_early(keys: list[str], rng: np.random.Generator, queries: int):
+    """Six pairs near the start and ``queries`` of them asked a third of the way in.
+    Returns ``(values, asked, insertions without a tail)``."""
+    values = [_digits(rng, 1) for _ in keys]
+    depth = rng.uniform(0.02, 0.1)
+    asked = rng.choice(PAIRS, size=queries, replace=False)
+    middle = []
+    for i in asked:
+        middle += [(f" {QUERY}{keys[i]}", 0), (values[i], EARLY)]
+    middle.append((" ", 0))
+    return values, asked, _Insertions(_pairs_head(keys, values), depth, middle, [])
+
+
+def _recall(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    values, asked, insertions = _asked_early(keys, rng, QUERIES)
+    tail = []
+    for i in rng.permutation(asked):
+        tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
+    return insertions._replace(tail=tail)
+
+
+def _repeat(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    values, asked, insertions = _asked_early(keys, rng, 1)
+    return insertions._replace(tail=[(f" {QUERY}{REPEAT}", 0), (values[asked[0]], LATE)])
+
+
+def _chain(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    pointers, points_to, values, head = _chain_pairs(keys, rng)
+    depth = rng.uniform(0.02, 0.1)
+    start_key = pointers[rng.integers(3)]
+    target = points_to[start_key]
+    # The model answers the pointer, then looks up its own answer.
+    middle = [(f" {QUERY}{start_key}", 0), (target, EARLY), (f" {QUERY}", 0), (target, EARLY),
+              (values[target], EARLY), (" ", 0)]
+    tail = [(f" {QUERY}{start_key}{target} {QUERY}{target}", 0), (values[target], LATE)]
+    return _Insertions(head, depth, middle, tail)
+
+
+def _chain_drill(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    """Training only: the chain's pairs, every pointer followed right away."""
+    pointers, points_to, values, head = _chain_pairs(keys, rng)
+    depth = rng.uniform(0.0, 0.2)
+    tail = []
+    for k in rng.permutation(pointers):
+        tail += [(f" {QUERY}{k}", 0), (points_to[k], LATE), (f" {QUERY}", 0), (points_to[k], LATE),
+                 (values[points_to[k]], LATE)]
+    return _Insertions(head, depth, [], tail)
+
+
+def _drill(keys: list[str], rng: np.random.Generator) -> _Insertions:
+    """Training only: every pair queried right away, in another order; many lookups per
+    window teach the lookup faster than the sparse tasks alone."""
+    values = [_digits(rng, 1) for _ in keys]
+    depth = rng.uniform(0.0, 0.2)
+    tail = []
+    for i in rng.permutation(PAIRS):
+        tail += [(f" {QUERY}{keys[i]}", 0), (values[i], LATE)]
+    return _Insertions(_pairs_head(keys, values), depth, [], tail)
+
+
+# Each family draws from the generator in its own fixed order, which the examples depend on.
+_FAMILIES: dict[str, Callable[[list[str], np.random.Generator], _Insertions]] = {
+    "passkey": _passkey, "recall": _recall, "repeat": _repeat, "chain": _chain,
+    "chain_drill": _chain_drill, "drill": _drill,
+}
+
+
+def _layout(insertions: _Insertions, text: np.ndarray, length: int, rng: np.random.Generator) -> list:
+    """The window's pieces in order: filler prose cut around the head, middle and tail."""
+    head, depth, middle, tail = insertions
     inserted = sum(len(s) for s, _ in head + middle + tail)
     filler_total = length + 1 - inserted
     start = rng.integers(0, text.size - filler_total)
@@ -177,8 +222,11 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
     cut1 = int(depth * (length + 1))
     cut2 = int(rng.uniform(0.28, 0.38) * (length + 1)) - sum(len(s) for s, _ in head) if middle else cut1
     cut2 = max(cut2, cut1)
-    pieces = [(filler[:cut1], 0)] + head + [(filler[cut1:cut2], 0)] + middle + [(filler[cut2:], 0)] + tail
+    return [(filler[:cut1], 0)] + head + [(filler[cut1:cut2], 0)] + middle + [(filler[cut2:], 0)] + tail
 
+
+def _encode(pieces: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(tokens, codes, groups)`` per token of the pieces (prose arrays or ASCII strings)."""
     tokens, codes, groups = [], [], []
     group = -1
     for piece, code in pieces:
@@ -188,7 +236,16 @@ def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator)
             group += 1
         codes.append(np.full(len(ids), code, np.int8))
         groups.append(np.full(len(ids), group if code else -1, np.int32))
-    tokens, codes, groups = np.concatenate(tokens), np.concatenate(codes), np.concatenate(groups)
+    return np.concatenate(tokens), np.concatenate(codes), np.concatenate(groups)
+
+
+def _example(kind: str, text: np.ndarray, length: int, rng: np.random.Generator):
+    """One window: filler text with the task's insertions, and its answer codes."""
+    keys = list(rng.choice(list(KEY_LETTERS), size=PAIRS, replace=False))
+    if kind not in _FAMILIES:
+        raise ValueError(f"kind must be one of {TASKS}, got {kind!r}")
+    insertions = _FAMILIES[kind](keys, rng)
+    tokens, codes, groups = _encode(_layout(insertions, text, length, rng))
     assert tokens.size == length + 1, (kind, tokens.size)
     # Codes are per token; the mask is over targets (token j is the target of input j - 1).
     return tokens, codes[1:], groups[1:]

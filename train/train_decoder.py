@@ -38,7 +38,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -296,6 +296,167 @@ def _evaluate(losses_fn, params, tokens, length, count, batch) -> float:
     return float(np.concatenate(per_window)[:n].mean())
 
 
+def _initial_model(options: TrainOptions, cfg: DecoderConfig) -> Decoder:
+    """A fresh decoder, or the one saved in ``options.init``, with ``options.fresh_tokens`` redrawn."""
+    model = Decoder(cfg, rngs=nnx.Rngs(options.seed)) if options.init is None else load_params(options.init, cfg)
+    if options.fresh_tokens:
+        _fresh_embeddings(model, options.fresh_tokens, options.seed)
+    return model
+
+
+def _task_examples(options: TrainOptions, tokens: np.ndarray) -> list:
+    """The evaluation examples of each task of the run, cut from ``tokens``."""
+    return [make_tasks(kind, tokens, options.task_eval, options.length, seed=0) for kind in options.tasks]
+
+
+def _batch(options: TrainOptions, tokens: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One step's ``(windows [B, T+1], float32 loss weights [B, T])``, drawn from ``rng``."""
+    if options.data == "tasks":
+        windows, answer = mixed_tasks(tokens, options.batch, options.length, rng, options.tasks)
+        weights = 1.0 + options.answer_weight * (answer > 0)
+    else:
+        windows = random_windows(tokens, options.batch, options.length, rng)
+        weights = np.ones((options.batch, options.length))
+    return windows, weights.astype(np.float32)
+
+
+def _restore(options: TrainOptions, cfg: DecoderConfig, workdir: Path, params, opt_state):
+    """The run's checkpoints and where it starts: ``(checkpoints, start, params, opt_state,
+    data_rng)``, from the latest checkpoint when resuming, else as given."""
+    # The sampler's own generator, seeded apart from the parameters; its state is checkpointed.
+    data_rng = np.random.default_rng([options.seed, 1])
+    settings = {"options": options.run_settings(), "model": dataclasses.asdict(cfg)}
+    checkpoints = Checkpoints(workdir, options.keep, settings)
+    start, state, meta = checkpoints.resume({"params": params, "opt_state": opt_state}, options.resume)
+    if meta is not None:
+        data_rng.bit_generator.state = meta["data_rng"]
+    return checkpoints, start, state["params"], state["opt_state"], data_rng
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What the steps and evaluations of one run share besides the changing state.
+
+    Attributes:
+      options: the run's settings.
+      workdir: the resolved ``options.workdir``.
+      train_tokens: byte ids of the train split.
+      val_tokens: byte ids of the validation split.
+      val_tasks: task examples for the validation answer accuracy (empty for text data).
+      train_step: the jitted step of :func:`_compiled`.
+      losses_fn: per-window losses, jitted.
+      hits_fn: per-target argmax hits, jitted.
+      checkpoints: the run's checkpoints.
+      metrics: the open ``metrics.jsonl``.
+    """
+
+    options: TrainOptions
+    workdir: Path
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    val_tasks: list
+    train_step: Callable
+    losses_fn: Callable
+    hits_fn: Callable
+    checkpoints: Checkpoints
+    metrics: Any
+
+    def save(self, step: int, params, opt_state, data_rng: np.random.Generator) -> None:
+        self.checkpoints.save(step, {"params": params, "opt_state": opt_state},
+                              {"step": step, "data_rng": data_rng.bit_generator.state})
+
+    def log(self, **record) -> None:
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+
+    def validate(self, params, step: int, count: int, bar) -> float:
+        """Validation loss (and answer accuracy for task data) on ``count`` windows, printed and logged."""
+        options = self.options
+        loss = _evaluate(self.losses_fn, params, self.val_tokens, options.length, count, options.batch)
+        message = f"step {step}: validation loss {loss:.4f} ({bits_per_byte(loss):.3f} bits/byte)"
+        accuracy = _task_accuracy(self.hits_fn, params, self.val_tasks, options.batch) if self.val_tasks else {}
+        if accuracy:
+            message += "; answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
+        (bar.write if bar is not None else print)(message)
+        self.log(step=step, split="validation", loss=loss, bits_per_byte=bits_per_byte(loss), windows=count,
+                 accuracy=accuracy)
+        return loss
+
+
+class _Trained(NamedTuple):
+    """Where the step loop ended.
+
+    Attributes:
+      params: the parameters after the last step.
+      train_losses: ``(step, loss)`` for every step taken.
+      val: ``(step, loss)`` of each periodic validation.
+      stop: the step the loop stopped at.
+      interrupted: ``should_stop`` stopped it before the planned stop.
+    """
+
+    params: Any
+    train_losses: list[tuple[int, float]]
+    val: list[tuple[int, float]]
+    stop: int
+    interrupted: bool
+
+
+def _step_loop(run: _Run, start: int, params, opt_state, data_rng: np.random.Generator,
+               should_stop: Callable[[], bool] | None) -> _Trained:
+    """Steps from ``start`` to the stop step, with logging, checkpoints and periodic validation."""
+    options = run.options
+    stop = options.steps if options.stop_at is None else options.stop_at
+    train_losses: list[tuple[int, float]] = []
+    val: list[tuple[int, float]] = []
+    bar = tqdm(total=stop, initial=min(start, stop), disable=not options.progress, desc="train", unit="step")
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        for step in range(start, stop):
+            windows, weights = _batch(options, run.train_tokens, data_rng)
+            params, opt_state, loss = run.train_step(params, opt_state, windows, weights)
+            done = step + 1
+            train_losses.append((done, float(loss)))
+            bar.update(1)
+            bar.set_postfix(loss=f"{train_losses[-1][1]:.3f}")
+            if done % 10 == 0:
+                run.log(step=done, split="train", loss=train_losses[-1][1])
+            if done % options.save_every == 0 or done == stop:
+                run.save(done, params, opt_state, data_rng)
+            if options.eval_every and options.eval_windows and done % options.eval_every == 0:
+                val.append((done, run.validate(params, done, options.eval_windows, bar)))
+            if should_stop is not None and should_stop() and done < stop:
+                if done % options.save_every:
+                    run.save(done, params, opt_state, data_rng)
+                interrupted, stop = True, done
+                bar.write(f"stopped at step {done}; checkpoint saved in {run.workdir}")
+                break
+    finally:
+        bar.close()
+    if train_losses:
+        elapsed = time.perf_counter() - started
+        print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")
+    return _Trained(params, train_losses, val, stop, interrupted)
+
+
+def _final_evaluation(run: _Run, params, step: int, tokenizer: ByteTokenizer) -> dict[str, float]:
+    """Validation and test (Persuasion) losses at the end of the run, and for task data the
+    test answer accuracy; printed and logged."""
+    options = run.options
+    final = {"val": run.validate(params, step, options.final_eval_windows, None)}
+    test_tokens = tokenizer.encode(load_split("test"))
+    count = options.final_eval_windows
+    final["test"] = _evaluate(run.losses_fn, params, test_tokens, options.length, count, options.batch)
+    print(f"step {step}: test loss {final['test']:.4f} ({bits_per_byte(final['test']):.3f} bits/byte)")
+    run.log(step=step, split="test", loss=final["test"], bits_per_byte=bits_per_byte(final["test"]), windows=count)
+    if run.val_tasks:
+        accuracy = _task_accuracy(run.hits_fn, params, _task_examples(options, test_tokens), options.batch)
+        print(f"step {step}: test answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items()))
+        run.log(step=step, split="test", accuracy=accuracy)
+        final.update({f"test_accuracy_{k}": v for k, v in accuracy.items()})
+    return final
+
+
 def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
           should_stop: Callable[[], bool] | None = None) -> TrainResult:
     """Train (or resume training) a decoder on the Austen train split.
@@ -322,106 +483,27 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
     workdir = Path(options.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
-    model = Decoder(cfg, rngs=nnx.Rngs(options.seed)) if options.init is None else load_params(options.init, cfg)
-    if options.fresh_tokens:
-        _fresh_embeddings(model, options.fresh_tokens, options.seed)
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params = nnx.split(_initial_model(options, cfg), nnx.Param)
     optimizer = (options.steps, options.lr, options.warmup, options.end_lr_ratio, options.weight_decay, options.clip)
     tx, train_step, losses_fn, hits_fn = _compiled(graphdef, optimizer)
-    val_tasks = []
-    if options.data == "tasks":
-        val_tasks = [make_tasks(kind, val_tokens, options.task_eval, options.length, seed=0) for kind in options.tasks]
-    opt_state = tx.init(params)
-    # The sampler's own generator, seeded apart from the parameters; its state is checkpointed.
-    data_rng = np.random.default_rng([options.seed, 1])
-    settings = {"options": options.run_settings(), "model": dataclasses.asdict(cfg)}
-
-    checkpoints = Checkpoints(workdir, options.keep, settings)
-    start, state, meta = checkpoints.resume({"params": params, "opt_state": opt_state}, options.resume)
-    params, opt_state = state["params"], state["opt_state"]
-    if meta is not None:
-        data_rng.bit_generator.state = meta["data_rng"]
-
-    def save(step: int) -> None:
-        checkpoints.save(step, {"params": params, "opt_state": opt_state},
-                         {"step": step, "data_rng": data_rng.bit_generator.state})
-
+    val_tasks = _task_examples(options, val_tokens) if options.data == "tasks" else []
+    checkpoints, start, params, opt_state, data_rng = _restore(options, cfg, workdir, params, tx.init(params))
     # A fresh run starts a fresh log; a resumed one carries on with its own.
     metrics = (workdir / "metrics.jsonl").open("a" if start else "w")
+    run = _Run(options, workdir, train_tokens, val_tokens, val_tasks, train_step, losses_fn, hits_fn,
+               checkpoints, metrics)
 
-    def log(**record) -> None:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-
-    def validate(step: int, count: int, bar) -> float:
-        loss = _evaluate(losses_fn, params, val_tokens, options.length, count, options.batch)
-        message = f"step {step}: validation loss {loss:.4f} ({bits_per_byte(loss):.3f} bits/byte)"
-        accuracy = _task_accuracy(hits_fn, params, val_tasks, options.batch) if val_tasks else {}
-        if accuracy:
-            message += "; answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items())
-        (bar.write if bar is not None else print)(message)
-        log(step=step, split="validation", loss=loss, bits_per_byte=bits_per_byte(loss), windows=count,
-            accuracy=accuracy)
-        return loss
-
-    stop = options.steps if options.stop_at is None else options.stop_at
-    train_losses: list[tuple[int, float]] = []
-    val: list[tuple[int, float]] = []
-    bar = tqdm(total=stop, initial=min(start, stop), disable=not options.progress, desc="train", unit="step")
-    started = time.perf_counter()
-    interrupted = False
-    try:
-        for step in range(start, stop):
-            if options.data == "tasks":
-                windows, answer = mixed_tasks(train_tokens, options.batch, options.length, data_rng, options.tasks)
-                weights = 1.0 + options.answer_weight * (answer > 0)
-            else:
-                windows = random_windows(train_tokens, options.batch, options.length, data_rng)
-                weights = np.ones((options.batch, options.length))
-            params, opt_state, loss = train_step(params, opt_state, windows, weights.astype(np.float32))
-            done = step + 1
-            train_losses.append((done, float(loss)))
-            bar.update(1)
-            bar.set_postfix(loss=f"{train_losses[-1][1]:.3f}")
-            if done % 10 == 0:
-                log(step=done, split="train", loss=train_losses[-1][1])
-            if done % options.save_every == 0 or done == stop:
-                save(done)
-            if options.eval_every and options.eval_windows and done % options.eval_every == 0:
-                val.append((done, validate(done, options.eval_windows, bar)))
-            if should_stop is not None and should_stop() and done < stop:
-                if done % options.save_every:
-                    save(done)
-                interrupted, stop = True, done
-                bar.write(f"stopped at step {done}; checkpoint saved in {workdir}")
-                break
-    finally:
-        bar.close()
-    if train_losses:
-        elapsed = time.perf_counter() - started
-        print(f"trained steps {start}..{stop} in {elapsed:.0f} s ({len(train_losses) / elapsed:.2f} steps/s)")
-
+    trained = _step_loop(run, start, params, opt_state, data_rng, should_stop)
     final: dict[str, float] = {}
-    if stop == options.steps and options.final_eval_windows and not interrupted:
-        final["val"] = validate(stop, options.final_eval_windows, None)
-        test_tokens = tokenizer.encode(load_split("test"))
-        count = options.final_eval_windows
-        final["test"] = _evaluate(losses_fn, params, test_tokens, options.length, count, options.batch)
-        print(f"step {stop}: test loss {final['test']:.4f} ({bits_per_byte(final['test']):.3f} bits/byte)")
-        log(step=stop, split="test", loss=final["test"], bits_per_byte=bits_per_byte(final["test"]), windows=count)
-        if val_tasks:
-            test_tasks = [make_tasks(kind, test_tokens, options.task_eval, options.length, seed=0) for kind in options.tasks]
-            accuracy = _task_accuracy(hits_fn, params, test_tasks, options.batch)
-            print(f"step {stop}: test answer accuracy " + ", ".join(f"{k} {v:.3f}" for k, v in accuracy.items()))
-            log(step=stop, split="test", accuracy=accuracy)
-            final.update({f"test_accuracy_{k}": v for k, v in accuracy.items()})
+    if trained.stop == options.steps and options.final_eval_windows and not trained.interrupted:
+        final = _final_evaluation(run, trained.params, trained.stop, tokenizer)
     metrics.close()
 
-    model = nnx.merge(graphdef, params)
-    if options.export is not None and not interrupted:
+    model = nnx.merge(graphdef, trained.params)
+    if options.export is not None and not trained.interrupted:
         print(f"exported parameters to {save_params(model, options.export)}")
-    return TrainResult(model=model, start_step=start, step=stop, train_losses=train_losses, val=val, final=final,
-                       interrupted=interrupted)
+    return TrainResult(model=model, start_step=start, step=trained.stop, train_losses=trained.train_losses,
+                       val=trained.val, final=final, interrupted=trained.interrupted)
 
 
 def _parser() -> argparse.ArgumentParser:

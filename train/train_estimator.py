@@ -171,31 +171,44 @@ def _plan(options: EstimatorOptions, batch: int) -> tuple[str, float]:
     return options.sources[batch % turn], options.fractions[(batch // turn) % len(options.fractions)]
 
 
-def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None = None) -> dict:
-    """Pretrain (or resume pretraining) the estimator; returns the learned state
-    (:func:`flsmem.estimator.carry_over` form, with ``"interrupted": True`` added when
-    ``should_stop`` ended it early).
+def _budget(fraction: float, context: int) -> int:
+    """Slots kept at ``fraction`` of a ``context``-token window, at least one chunk."""
+    return max(CHUNK, int(round(float(Fraction(fraction).limit_denominator(64)) * context)))
 
-    ``should_stop`` is asked after every batch; when it returns True the run saves a
-    checkpoint there and returns early (without ``--out``), so a job told to stop
-    (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
-    last checkpoint, at most ``save_every`` batches back."""
-    from flsmem.harness.evaluate import evaluate_windows, future_attention
 
+def _fresh(options: EstimatorOptions):
+    """``(policy, learned)``: the learned policy of the options and its fresh state in
+    :func:`flsmem.estimator.carry_over` form."""
     policy = E.learned(horizon=options.horizon, snapshots=options.snapshots, label=options.label,
                        loss=options.loss, prior=options.prior, learning_rate=options.learning_rate,
                        hidden=options.hidden, seed=options.seed)
     fresh = policy.init_aux(policy, 1, 1, 1)
-    learned = E.carry_over(fresh, layers_axis=False)
-    workdir = Path(options.workdir).absolute()
-    checkpoints = Checkpoints(workdir, options.keep, options.run_settings())
-    start, learned, _ = checkpoints.resume(learned, options.resume)
+    return policy, E.carry_over(fresh, layers_axis=False)
 
-    def save(done: int) -> None:
-        checkpoints.save(done, learned, {"batch": done})
 
+def _stream(options: EstimatorOptions, policy, source: _Source, windows: np.ndarray, budget: int,
+            learned: dict) -> dict:
+    """Stream ``windows`` through the source's model under the learned policy at ``budget``,
+    starting from ``learned``; returns what the estimator learned, carried over."""
+    from flsmem.harness.evaluate import evaluate_windows, future_attention
+
+    protected = policy.replace(recent=int(options.recent * budget))
+    futures = None
+    if options.guide == "oracle":
+        protected = E.guided(protected, P.oracle())
+        futures = future_attention(source.model, windows, CHUNK)
+    _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned,
+                                   futures=futures)
+    aux = E.flush(policy, stats["aux"]) if options.flush else stats["aux"]
+    return E.carry_over(aux)
+
+
+def _batches(options: EstimatorOptions, policy, learned: dict, start: int, checkpoints: Checkpoints,
+             should_stop: Callable[[], bool] | None) -> tuple[dict, bool]:
+    """Stream the batches from ``start`` on, logging each and saving checkpoints; returns
+    ``(learned, interrupted)``."""
     sources: dict[str, _Source] = {}
-    log = (workdir / "metrics.jsonl").open("a" if start else "w")
+    log = (checkpoints.workdir / "metrics.jsonl").open("a" if start else "w")
     bar = tqdm(total=options.batches, initial=start, disable=not options.progress, desc="estimator", unit="batch")
     started = time.perf_counter()
     interrupted = False
@@ -206,16 +219,8 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
                 sources[name] = _Source(name, options)
             source = sources[name]
             windows = source.draw(np.random.default_rng([options.seed, batch]))
-            budget = max(CHUNK, int(round(float(Fraction(fraction).limit_denominator(64)) * source.context)))
-            protected = policy.replace(recent=int(options.recent * budget))
-            futures = None
-            if options.guide == "oracle":
-                protected = E.guided(protected, P.oracle())
-                futures = future_attention(source.model, windows, CHUNK)
-            _, _, stats = evaluate_windows(source.model, windows, protected, budget, chunk=CHUNK, aux=learned,
-                                           futures=futures)
-            aux = E.flush(policy, stats["aux"]) if options.flush else stats["aux"]
-            learned = E.carry_over(aux)
+            budget = _budget(fraction, source.context)
+            learned = _stream(options, policy, source, windows, budget, learned)
             loss = float(learned["loss"])
             record = {"batch": batch + 1, "source": name, "budget": budget, "loss": loss,
                       "labels": int(learned["labels"]), "skipped": int(learned["skipped"])}
@@ -225,7 +230,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
             bar.set_postfix(source=name, budget=budget, loss=f"{loss:.3f}")
             stopping = should_stop is not None and should_stop()
             if (batch + 1) % options.save_every == 0 or batch + 1 == options.batches or stopping:
-                save(batch + 1)
+                checkpoints.save(batch + 1, learned, {"batch": batch + 1})
             if stopping and batch + 1 < options.batches:
                 interrupted = True
                 break
@@ -235,6 +240,22 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     if options.batches > start:
         print(f"streamed batches {start}..{options.batches} in {time.perf_counter() - started:.0f} s; "
               f"last loss {float(learned['loss']):.4f}")
+    return learned, interrupted
+
+
+def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None = None) -> dict:
+    """Pretrain (or resume pretraining) the estimator; returns the learned state
+    (:func:`flsmem.estimator.carry_over` form, with ``"interrupted": True`` added when
+    ``should_stop`` ended it early).
+
+    ``should_stop`` is asked after every batch; when it returns True the run saves a
+    checkpoint there and returns early (without ``--out``), so a job told to stop
+    (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
+    last checkpoint, at most ``save_every`` batches back."""
+    policy, learned = _fresh(options)
+    checkpoints = Checkpoints(Path(options.workdir).absolute(), options.keep, options.run_settings())
+    start, learned, _ = checkpoints.resume(learned, options.resume)
+    learned, interrupted = _batches(options, policy, learned, start, checkpoints, should_stop)
     if interrupted:
         print("stopped early; the same command resumes from the checkpoint just saved")
         learned["interrupted"] = True
