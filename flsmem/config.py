@@ -47,8 +47,7 @@ class MemoryConfig:
             )
         for name in ("budget", "evict_every", "max_chunk"):
             object.__setattr__(self, name, validate.positive_int(name, getattr(self, name)))
-        if not isinstance(self.interpret, bool):
-            raise ValueError(f"interpret must be a bool, got {self.interpret!r}")
+        validate.boolean("interpret", self.interpret)
         if self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
                 f"implementation must be one of {IMPLEMENTATIONS}, got {self.implementation!r}"

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["fail", "require", "positive_int", "nonneg_int", "positive", "unit", "one_of",
+__all__ = ["fail", "require", "positive_int", "nonneg_int", "positive", "unit", "boolean", "one_of",
            "shape", "is_int", "is_float"]
 
 
@@ -53,6 +53,12 @@ def unit(name: str, value: Any) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 <= float(value) <= 1.0
     require(ok, f"{name} must be a number in [0, 1], got {value!r}")
     return float(value)
+
+
+def boolean(name: str, value: Any) -> bool:
+    """``value`` if it is a bool (not an int or another truthy value)."""
+    require(isinstance(value, bool), f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def one_of(name: str, value: Any, allowed: Iterable[Any]) -> Any:

@@ -212,7 +212,7 @@ def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
     """
     validate.require(isinstance(policy, Policy) and policy.name == "learned",
                      f"policy must be the learned policy, got {getattr(policy, 'name', policy)!r}")
-    validate.require(isinstance(layers_axis, bool), f"layers_axis must be a bool, got {layers_axis!r}")
+    validate.boolean("layers_axis", layers_axis)
     missing = [name for name in ("params", "opt", *_SNAPSHOT) if not isinstance(aux, dict) or name not in aux]
     validate.require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
     # snap_features is [L?, M?, B, K, S, F]: the axes say which policy and layout made it.

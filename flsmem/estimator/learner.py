@@ -60,7 +60,7 @@ class LearnedParams(Params):
         validate.require(self.weights is None or isinstance(self.weights, Weights),
                          f"weights must be flsmem.estimator.Weights (from load) or None, "
                          f"got {type(self.weights).__name__}")
-        validate.require(isinstance(self.online, bool), f"online must be a bool, got {self.online!r}")
+        validate.boolean("online", self.online)
         object.__setattr__(self, "learning_rate", validate.positive("learning_rate", self.learning_rate))
         validate.one_of("label", self.label, _LABELS)
         validate.one_of("loss", self.loss, _LOSSES)

@@ -40,7 +40,7 @@ class DecayParams(Params):
 
     def __post_init__(self):
         object.__setattr__(self, "decay", validate.unit("decay", self.decay))
-        validate.require(isinstance(self.weighted, bool), f"weighted must be a bool, got {self.weighted!r}")
+        validate.boolean("weighted", self.weighted)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class LagWindowParams(Params):
     def __post_init__(self):
         object.__setattr__(self, "gamma", validate.unit("gamma", self.gamma))
         object.__setattr__(self, "decay_after", validate.unit("decay_after", self.decay_after))
-        validate.require(isinstance(self.weighted, bool), f"weighted must be a bool, got {self.weighted!r}")
+        validate.boolean("weighted", self.weighted)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -194,14 +194,8 @@ class Policy:
             f"num_evidence must be an int >= 1, got {self.num_evidence!r}",
         )
         validate.one_of("head_reduction", self.head_reduction, HEAD_REDUCTIONS)
-        validate.require(
-            isinstance(self.normalise_by_age, bool),
-            f"normalise_by_age must be a bool, got {self.normalise_by_age!r}",
-        )
-        validate.require(
-            isinstance(self.score_when_due, bool),
-            f"score_when_due must be a bool, got {self.score_when_due!r}",
-        )
+        validate.boolean("normalise_by_age", self.normalise_by_age)
+        validate.boolean("score_when_due", self.score_when_due)
         validate.require(
             self.params is None or isinstance(self.params, Params),
             f"params must be a flsmem.policies.Params or None, got {type(self.params).__name__}",

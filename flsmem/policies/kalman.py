@@ -52,8 +52,8 @@ class KalmanParams(Params):
         object.__setattr__(self, "q", float(q))
         object.__setattr__(self, "r", validate.positive("r", self.r))
         object.__setattr__(self, "beta", validate.unit("beta", self.beta))
-        validate.require(isinstance(self.adaptive, bool), f"adaptive must be a bool, got {self.adaptive!r}")
-        validate.require(isinstance(self.weighted, bool), f"weighted must be a bool, got {self.weighted!r}")
+        validate.boolean("adaptive", self.adaptive)
+        validate.boolean("weighted", self.weighted)
 
 
 def _kalman_noise(policy: Policy, aux: PyTree):

@@ -35,7 +35,7 @@ class SnapKVParams(Params):
     def __post_init__(self):
         object.__setattr__(self, "kernel_size", validate.positive_int("kernel_size", self.kernel_size))
         validate.one_of("pooling", self.pooling, POOLINGS)
-        validate.require(isinstance(self.weighted, bool), f"weighted must be a bool, got {self.weighted!r}")
+        validate.boolean("weighted", self.weighted)
 
 
 def _fold_ring(value_fn):
