@@ -22,7 +22,7 @@ from flax import nnx
 
 import flsmem
 from bench.common import random_kv
-from flsmem.models.decoder import Decoder, DecoderConfig, init_memories, rope
+from flsmem.models.decoder import Decoder, DecoderConfig, Memories, init_memories, rope
 from flsmem.models.generate import decode_loop
 
 __all__ = ["PlainCache", "plain_cache", "plain_step", "plain_loop", "steady_memories", "run_plain", "run_flsmem"]
@@ -99,11 +99,11 @@ def plain_loop(model: Decoder, cache: dict, logits, start, steps: int):
     return jax.lax.scan(decode, (cache, logits), start + jnp.arange(steps, dtype=jnp.int32))
 
 
-def steady_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, filled: int, key) -> flsmem.MemoryState:
+def steady_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, filled: int, key) -> Memories:
     """Stacked memories in steady state at step ``filled``: the ``min(budget, filled)``
     latest positions resident, random keys, values and evidence, so that eviction falls
     due every ``evict_every`` steps from here on."""
-    memories = init_memories(cfg, config, batch)
+    memories = init_memories(cfg, config, batch).evictable  # the models timed here have no local layers
     depth, _, heads, slots = memories.valid.shape
     n = min(config.budget, filled, slots)
     slot = jnp.arange(slots, dtype=jnp.int32)
@@ -113,14 +113,14 @@ def steady_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int,
     k_key, e_key = jax.random.split(key)
     k, v = random_kv(k_key, rows + (cfg.head_dim,))
     evidence = jax.random.uniform(e_key, memories.evidence.shape, jnp.float32)
-    return memories.replace(
+    return Memories(evictable=memories.replace(
         payload={"k": k, "v": v},
         position=position,
         valid=valid,
         birth=jnp.maximum(position, 0),  # one item per step from step 0: birth == position
         evidence=jnp.where(valid[..., None], evidence, 0.0),
         step=jnp.full((depth, batch), filled, jnp.int32),
-    )
+    ))
 
 
 # The cache is donated: the loop updates it in place, as a server would, rather than

@@ -42,6 +42,7 @@ def attend(
     scale: float | None = None,
     layer: Int[Array, ""] | int | None = None,
     placement: tuple[Int[Array, "B K T"], Bool[Array, "B K T S"]] | None = None,
+    window: int | None = None,
 ) -> tuple[Float[Array, "B T H D"], MemoryState, Float[Array, "B K T S"]]:
     """Write a step's keys and values into the memory and attend over it.
 
@@ -67,6 +68,11 @@ def attend(
       layer: index of this layer in stacked memories; None for a single memory.
       placement: this layer's ``(target, visible)`` from :func:`flsmem.place` when the
         stacked memories were placed for every layer at once; None to place here.
+      window: sliding-window attention: a query at position p sees only the items at
+        positions above ``p - window`` (``window`` items, itself included), as Gemma's
+        and Mistral's local layers do; None sees every item the memory holds. A memory
+        under the ``window`` policy with ``budget = window`` then holds exactly what
+        such a layer needs.
 
     Returns:
       ``(out [B, T, H, D], memory, evidence [B, K, T, S])``: the attention output, the
@@ -76,6 +82,10 @@ def attend(
     b, t, kv_heads, head_dim = _check_qkv(memory, q, k, v, layer)
     kv = {"k": jnp.swapaxes(k, 1, 2), "v": jnp.swapaxes(v, 1, 2)}  # [B, K, T, D]
     memory, seen = _write(memory, kv, position, layer, placement)
+    if window is not None:
+        held = memory.position if layer is None else memory.position[layer]  # [B, K, S]
+        gap = jnp.asarray(position)[:, None, :, None] - held[:, :, None, :]  # [B, K, T, S]
+        seen = seen & (gap < validate.positive_int("window", window))
     keys, values = (memory.payload[name] if layer is None else memory.payload[name][layer] for name in ("k", "v"))
     grouped = q if jnp.ndim(q) == 5 else q.reshape(b, t, kv_heads, -1, head_dim)
     logits = jnp.einsum("BTKGD,BKSD->BKGTS", grouped, keys) * (head_dim ** -0.5 if scale is None else scale)

@@ -169,9 +169,11 @@ def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness,
     inputs, targets = windows[:, :-1], windows[:, 1:]
     memories = init_memories(model.cfg, config, w)
     if aux is not None:
-        per_layer = jax.tree.map(lambda x: jnp.broadcast_to(x, (model.cfg.depth,) + jnp.shape(x)), aux)
-        merged = memories.aux | per_layer if isinstance(aux, dict) else per_layer
-        memories = memories.replace(aux=merged)
+        layers = len(model.cfg.global_layers)
+        per_layer = jax.tree.map(lambda x: jnp.broadcast_to(x, (layers,) + jnp.shape(x)), aux)
+        evictable = memories.evictable
+        merged = evictable.aux | per_layer if isinstance(aux, dict) else per_layer
+        memories = memories.replace(evictable=evictable.replace(aux=merged))
     weigh = CORRECTNESS[correctness]
     nll_parts, hit_parts = [], []
     # The sampled correctness signal draws the same tokens in every run of a window.
@@ -182,9 +184,10 @@ def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness,
         if futures is None:
             return None
         rows = jax.lax.dynamic_slice_in_dim(futures, t0, q, axis=3)  # [L, W, K, q, T]
-        pos = jnp.clip(memories.position, 0, steps - 1)[:, :, :, None, :]
+        held = memories.evictable
+        pos = jnp.clip(held.position, 0, steps - 1)[:, :, :, None, :]
         pos = jnp.broadcast_to(pos, rows.shape[:4] + pos.shape[-1:])
-        return jnp.where(memories.valid[:, :, :, None, :], jnp.take_along_axis(rows, pos, axis=-1), 0.0)
+        return jnp.where(held.valid[:, :, :, None, :], jnp.take_along_axis(rows, pos, axis=-1), 0.0)
 
     def forward(memories, t0, q):
         tokens = jax.lax.dynamic_slice_in_dim(inputs, t0, q, axis=1)
@@ -199,24 +202,24 @@ def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness,
     start = 0
     if prefill:
         memories, attention, (nll, hit), weight = forward(memories, 0, prefill)
-        memories = flsmem.compress(memories, attention, weight, gather_future(memories, 0, prefill),
-                                   budget=config.budget)
+        memories = memories.compress(attention, weight, gather_future(memories, 0, prefill), budget=config.budget)
         nll_parts.append(nll)
         hit_parts.append(hit)
         start = prefill
 
     def body(memories, t0):
         memories, attention, nll, weight = forward(memories, t0, chunk)
-        memories = flsmem.update_layers(memories, attention, weight, gather_future(memories, t0, chunk))
+        memories = memories.fold(attention, weight, gather_future(memories, t0, chunk))
         return memories, (nll, attention if collect else None)
 
     starts = jnp.arange(start, steps, chunk, dtype=jnp.int32)
     memories, ((nll, hit), attention) = jax.lax.scan(body, memories, starts)
     nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
     hit_parts.append(jnp.moveaxis(hit, 0, 1).reshape(w, -1))
-    stats = jax.vmap(flsmem.summary)(memories)
-    stats["held"] = jnp.where(memories.valid, memories.position, -1)  # [L, W, K, S]
-    return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats, memories.aux
+    held = memories.evictable
+    stats = jax.vmap(flsmem.summary)(held)
+    stats["held"] = jnp.where(held.valid, held.position, -1)  # [L, W, K, S]
+    return jnp.concatenate(nll_parts, axis=1), jnp.concatenate(hit_parts, axis=1), attention, stats, held.aux
 
 
 def future_attention(model: Decoder, windows: np.ndarray, chunk: int, discount: float = ORACLE_DISCOUNT) -> jax.Array:

@@ -90,6 +90,8 @@ def run(args: argparse.Namespace, fail) -> list[str]:
     ids = [tokenizer.encode(p) for p in prompts]
     if min(len(i) for i in ids) < 1:
         fail("a prompt encodes to no tokens")
+    if tokenizer.add_bos:  # Gemma is lost without its BOS token first
+        ids = [np.concatenate([[tokenizer.bos_id], i]).astype(np.int32) for i in ids]
     out = [[] for _ in prompts]
     alone = len(prompts) == 1
     peak, shown, begin, emitted_then = 0, 0, None, 0
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace, fail) -> list[str]:
     total = sum(len(o) for o in out)
     rate = (total - emitted_then) / elapsed if elapsed > 0 else float("nan")
     print(f"{total} tokens for {len(prompts)} prompt(s), {rate:.1f} tokens/s after the first step; "
-          f"peak cache {peak} items per layer and KV head "
+          f"peak cache {peak} items per {'global ' if model.cfg.local_layers else ''}layer and KV head "
           f"(budget {args.budget} + evict_every {args.evict_every}); {step.evictions} items evicted",
           file=sys.stderr, flush=True)
     return texts

@@ -106,15 +106,21 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     return policies, budgets, prefill
 
 
-def _windows(args: argparse.Namespace, tokens: np.ndarray) -> np.ndarray:
+def _windows(args: argparse.Namespace, tokens: np.ndarray, bos: int | None = None) -> np.ndarray:
+    """The evaluation windows; with ``bos``, each starts with it in place of its first
+    token, as llama.cpp's perplexity does for models that expect one (Gemma)."""
     from flsmem.models.data import cut_windows
 
     try:
-        return cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
+        windows = cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
     except ValueError as error:
         raise ValueError(f"--windows {args.windows} windows of --context {args.context} + 1 tokens need "
                          f"{args.windows * (args.context + 1)} tokens, but --text {args.text} has {len(tokens)} "
                          f"tokens of the model's tokenizer") from error
+    if bos is not None:
+        windows = windows.copy()
+        windows[:, 0] = bos
+    return windows
 
 
 def load_text(source: str) -> str:
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> list:
     # The model file and the windows are checked against the text before the model loads.
     with checking(COMMAND):
         tokenizer = catalog.load_tokenizer(args.model)
-        windows = _windows(args, tokenizer.encode(load_text(args.text)))
+        windows = _windows(args, tokenizer.encode(load_text(args.text)), tokenizer.bos_id if tokenizer.add_bos else None)
     model, _ = catalog.load(args.model)
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows

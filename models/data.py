@@ -147,11 +147,13 @@ class ByteTokenizer:
       vocab_size: 256.
       eos_id: None (byte-level text has no end token).
       bos_id: None.
+      add_bos: False (sequences start with their first byte).
     """
 
     vocab_size = 256
     eos_id = None
     bos_id = None
+    add_bos = False
 
     def encode(self, text: str) -> np.ndarray:
         """``text`` as a 1-D int32 array of its UTF-8 bytes."""

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 import flsmem
-from flsmem.models.decoder import Decoder, init_memories
+from flsmem.models.decoder import Decoder, Memories, init_memories
 
 __all__ = ["generate", "decode_step", "decode_loop", "sample", "stream", "Step"]
 
@@ -31,7 +31,7 @@ def _prefill(model, memories, prompt, start, correctness):
     logits, memories, attention = model(prompt, positions, memories)
     logp = jax.nn.log_softmax(logits, axis=-1)
     weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b, q))
-    return flsmem.update_layers(memories, attention, weight), logits[:, -1]
+    return memories.fold(attention, weight), logits[:, -1]
 
 
 def _prefill_all(model, memories, prompt, chunk, correctness):
@@ -71,7 +71,7 @@ def decode_step(model, memories, logits, t, correctness="confidence"):
     out, memories, attention = model(token[:, None], jnp.full((b, 1), t, jnp.int32), memories)
     logp = jax.nn.log_softmax(out[:, 0], axis=-1)
     weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b,))
-    memories = flsmem.update_layers(memories, attention[:, :, :, 0], weight)
+    memories = memories.fold(attention[:, :, :, 0], weight)
     return memories, out[:, 0], token
 
 
@@ -93,7 +93,7 @@ def generate(
     prompt: jax.Array,
     steps: int,
     correctness: str = "confidence",
-) -> tuple[jax.Array, flsmem.MemoryState]:
+) -> tuple[jax.Array, Memories]:
     """Greedy continuation of ``prompt`` under a bounded memory.
 
     The prompt is prefilled ``config.max_chunk`` tokens at a time; each decode step
@@ -169,9 +169,9 @@ def _decode(graphdef, params, memories, logits, forced, use_forced, position, ke
     b = token.shape[0]
     out, memories, attention = model(token[:, None], jnp.full((b, 1), position, jnp.int32), memories)
     weight = jnp.exp(jnp.max(jax.nn.log_softmax(out[:, 0], axis=-1), axis=-1))
-    memories = flsmem.update_layers(memories, attention[:, :, :, 0], weight)
-    held = jnp.max(jnp.sum(memories.valid, axis=-1))
-    return memories, out[:, 0], token, held, jnp.sum(memories.stats.evictions)
+    memories = memories.fold(attention[:, :, :, 0], weight)
+    held = jnp.max(jnp.sum(memories.evictable.valid, axis=-1))
+    return memories, out[:, 0], token, held, jnp.sum(memories.evictable.stats.evictions)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "config"))

@@ -1,10 +1,17 @@
-"""Llama-family GGUF files loaded into :class:`flsmem.models.decoder.Decoder`.
+"""GGUF files loaded into :class:`flsmem.models.decoder.Decoder`.
 
-Architectures ``llama`` (SmolLM2, TinyLlama, Llama 3.x) and ``qwen2`` (q/k/v biases).
-Everything comes from the file: the shape (layers, width, heads, grouped KV heads, MLP
-width), RoPE base and frequency factors, norm epsilon, tied or separate output matrix,
-and the tokenizer (:mod:`flsmem.models.tokenizer`). Tensors are dequantised to float32
-with the ``gguf`` package's own dequantisation, then cast.
+Architectures ``llama`` (SmolLM2, TinyLlama, Llama 3.x), ``qwen2`` (q/k/v biases) and
+``gemma3`` (GeGLU, q/k norms, norms after attention and MLP, scaled embedding, five
+sliding-window layers in six). Everything comes from the file: the shape (layers,
+width, heads, grouped KV heads, MLP width), RoPE base and frequency factors, norm
+epsilon, sliding window, tied or separate output matrix, and the tokenizer
+(:mod:`flsmem.models.tokenizer`). Tensors are dequantised to float32 with the ``gguf``
+package's own dequantisation, then cast.
+
+Gemma 3's files leave three settings to the reader, which takes llama.cpp's values:
+the local/global pattern (layer i is local unless ``i % 6 == 5``), the local layers'
+RoPE base (10,000) and the logit scale (``head_dim ** -0.5``). Its norm weights are
+stored with Gemma's ``1 +`` already added by the converter, so they are used as they are.
 
 Two conversions matter when mapping GGUF tensors onto the decoder:
 
@@ -19,6 +26,7 @@ Two conversions matter when mapping GGUF tensors onto the decoder:
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
@@ -31,7 +39,10 @@ from flsmem.models.tokenizer import Tokenizer
 
 __all__ = ["ARCHITECTURES", "TENSOR_TYPES", "read", "decoder_config", "unpermute_rope", "load", "load_weights"]
 
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+# llama.cpp's fixed Gemma 3 settings (see the module docstring).
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_THETA = 10000.0
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 _GGUF_MAGIC = b"GGUF"
 
@@ -52,6 +63,14 @@ def read(path: str | pathlib.Path):
     with open(path, "rb") as f:
         if f.read(4) != _GGUF_MAGIC:
             raise ValueError(f"{path} is not a GGUF file (it does not start with {_GGUF_MAGIC!r})")
+    return _open(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+# Parsing the metadata takes seconds for a large vocabulary (15 s for Gemma's 262,144
+# tokens), and a command reads the tokenizer before the weights: the reader of the
+# unchanged file is kept.
+@functools.lru_cache(maxsize=2)
+def _open(path: str, mtime: int):
     return _gguf().GGUFReader(path)
 
 
@@ -79,13 +98,21 @@ def decoder_config(reader) -> DecoderConfig:
     tensors = {t.name: t for t in reader.tensors}
     vocab = get("vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens"))
     factors = tensors.get("rope_freqs.weight")
+    scaling = get("rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} is not supported; supported: none, or llama3-style "
+                         f"rope_freqs factors")
+    depth, head_dim = int(get("block_count")), int(
+        get("attention.key_length", 0) or get("rope.dimension_count", 0) or width // heads)
+    gemma = arch == "gemma3"
+    window = int(get("attention.sliding_window", 0)) if gemma else 0
     return DecoderConfig(
         vocab_size=int(vocab),
         width=width,
-        depth=int(get("block_count")),
+        depth=depth,
         q_heads=heads,
         kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", 0) or get("rope.dimension_count", 0) or width // heads),
+        head_dim=head_dim,
         hidden=int(get("feed_forward_length")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -93,6 +120,13 @@ def decoder_config(reader) -> DecoderConfig:
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         rope_factors=None if factors is None else tuple(float(x) for x in _dequantize(factors)),
+        activation="gelu_tanh" if gemma else "silu",
+        qk_norm=gemma,
+        post_norms=gemma,
+        embed_scale=float(np.sqrt(width)) if gemma else 1.0,
+        sliding_window=window or None,
+        local_layers=tuple(i for i in range(depth) if i % _GEMMA3_PATTERN != _GEMMA3_PATTERN - 1) if window else (),
+        local_rope_theta=_GEMMA3_LOCAL_THETA if window else None,
     )
 
 
@@ -132,17 +166,24 @@ def _layer(take, cfg: DecoderConfig, i: int, permute: bool) -> dict:
             out["bias"] = rows(take(p + name + ".bias"))
         return out
 
-    return {
+    attn = {
+        "q": linear("attn_q", rope_rows, cfg.qkv_bias),
+        "k": linear("attn_k", rope_rows, cfg.qkv_bias),
+        "v": linear("attn_v", bias=cfg.qkv_bias),
+        "o": linear("attn_output"),
+    }
+    if cfg.qk_norm:
+        attn |= {"q_norm": {"scale": take(p + "attn_q_norm.weight")}, "k_norm": {"scale": take(p + "attn_k_norm.weight")}}
+    block = {
         "attn_norm": {"scale": take(p + "attn_norm.weight")},
-        "attn": {
-            "q": linear("attn_q", rope_rows, cfg.qkv_bias),
-            "k": linear("attn_k", rope_rows, cfg.qkv_bias),
-            "v": linear("attn_v", bias=cfg.qkv_bias),
-            "o": linear("attn_output"),
-        },
+        "attn": attn,
         "mlp_norm": {"scale": take(p + "ffn_norm.weight")},
         "mlp": {"gate": linear("ffn_gate"), "up": linear("ffn_up"), "down": linear("ffn_down")},
     }
+    if cfg.post_norms:
+        block |= {"attn_post_norm": {"scale": take(p + "post_attention_norm.weight")},
+                  "mlp_post_norm": {"scale": take(p + "post_ffw_norm.weight")}}
+    return block
 
 
 def load_weights(reader, cfg: DecoderConfig, dtype=jnp.float32) -> Decoder:

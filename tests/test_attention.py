@@ -11,7 +11,7 @@ from flax import nnx
 
 import flsmem
 from flsmem import policies as P
-from flsmem.models.decoder import Decoder, DecoderConfig
+from flsmem.models.decoder import Decoder, DecoderConfig, LayerInfo, Memories
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CFG = DecoderConfig(vocab_size=64, width=32, depth=1, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=64)
@@ -52,8 +52,9 @@ def test_readme_attention_matches_the_decoder(policy):
 
     @nnx.jit
     def decoder_step(module, x, position, memories):
-        out, memories, attention = module(x, position, memories, None, 0, None)
-        return out, flsmem.update_layers(memories, attention[None])  # the layer axis a scan adds
+        layer = LayerInfo(slot=jnp.int32(0), local=jnp.bool_(False), theta=jnp.float32(CFG.rope_theta))
+        out, memories, attention = module(x, position, Memories(evictable=memories), layer)
+        return out, memories.fold(attention[None]).evictable  # the layer axis a scan adds
 
     @nnx.jit
     def readme_step(module, x, position, memory):

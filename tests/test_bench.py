@@ -53,8 +53,8 @@ def test_ring_cache_wraps_and_steady_memories_evict_on_schedule():
     logits = jnp.zeros((2, CFG.vocab_size))
     after, _ = run_flsmem(graphdef, params, memories, logits, 40, steps=8)
     # Two evictions due in 8 steps, each of 4 items from every row of every layer.
-    np.testing.assert_array_equal(after.stats.evictions, np.full((CFG.depth, 2), 2 * 4 * CFG.kv_heads))
-    assert int(after.stats.forced_writes.sum()) == 0
+    np.testing.assert_array_equal(after.evictable.stats.evictions, np.full((CFG.depth, 2), 2 * 4 * CFG.kv_heads))
+    assert int(after.evictable.stats.forced_writes.sum()) == 0
     plain, _ = run_plain(graphdef, params, plain_cache(CFG, 2, 20, 40, jax.random.key(0)), logits, 40, steps=8)
     assert sorted(np.asarray(plain["position"]).tolist()) == list(range(28, 48))
 

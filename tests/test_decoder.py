@@ -1,5 +1,6 @@
 """The decoder on flsmem memories reproduces the plain decoder where it must."""
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +30,7 @@ def stream_logits(params, tokens, config, chunk):
     def step(memories, start):
         positions = jnp.broadcast_to(start + jnp.arange(chunk)[None, :], (b, chunk))
         logits, memories, attention = model(jax.lax.dynamic_slice_in_dim(tokens, start, chunk, 1), positions, memories)
-        return flsmem.update_layers(memories, attention), logits
+        return memories.fold(attention), logits
 
     _, logits = jax.lax.scan(step, init_memories(CFG, config, b), jnp.arange(0, t, chunk))
     return jnp.moveaxis(logits, 0, 1).reshape(b, t, -1)
@@ -114,8 +115,49 @@ def test_generate_with_the_full_cache_is_plain_greedy_decoding():
     # A small budget still decodes, and never holds more than budget + evict_every.
     tokens, memories = generate(MODEL, config.replace(policy=P.rmm(lag=2), budget=6, evict_every=2), prompt, steps=6)
     assert tokens.shape == (2, 6)
-    assert int(memories.valid.sum(-1).max()) <= 8
+    assert int(memories.evictable.valid.sum(-1).max()) <= 8
     with pytest.raises(ValueError, match="prompt"):
         generate(MODEL, config, prompt[0], steps=2)
     with pytest.raises(ValueError, match="config"):
         generate(MODEL, {"budget": 8}, prompt, steps=2)
+
+
+# Gemma 3's shape in small: q/k norms, norms after attention and MLP, GeGLU, a scaled
+# embedding, and four local layers with a window of 5 around two global ones.
+LOCAL = DecoderConfig(vocab_size=64, width=32, depth=6, q_heads=4, kv_heads=1, head_dim=8, hidden=64, max_len=64,
+                      activation="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=32 ** 0.5,
+                      sliding_window=5, local_layers=(0, 1, 3, 4), local_rope_theta=100.0, rope_theta=1e4)
+
+
+def test_local_layers_keep_exactly_their_window():
+    """Through memories, the local layers hold their window and no more (a bounded
+    memory of their own, never touched by the policy), and the logits are the plain
+    sliding-window model's; the global layers' memories hold the whole context."""
+    model = Decoder(LOCAL, nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, 24), 0, LOCAL.vocab_size)
+    config = flsmem.MemoryConfig(policy=P.full(), budget=24, evict_every=2, max_chunk=3)
+
+    @jax.jit
+    def run(memories):
+        def step(memories, start):
+            positions = jnp.broadcast_to(start + jnp.arange(3)[None, :], (2, 3))
+            logits, memories, attention = model(jax.lax.dynamic_slice_in_dim(tokens, start, 3, 1), positions, memories)
+            assert attention.shape[0] == 2  # the global layers' evidence only
+            held = jnp.sum(memories.windows.valid, axis=-1)  # [4, B, K]
+            return memories.fold(attention), (logits, jnp.max(held))
+
+        return jax.lax.scan(step, memories, jnp.arange(0, 24, 3))
+
+    memories, (logits, held) = run(init_memories(LOCAL, config, 2))
+    plain = model(tokens)[0]
+    np.testing.assert_allclose(jnp.moveaxis(logits, 0, 1).reshape(2, 24, -1), plain, atol=ATOL)
+    # Evicted down to the window every 2 items; a chunk of 3 may land on top of 5 + 1.
+    assert int(held.max()) <= 5 + 2 + 3 - 1 and int(held[-1]) >= 5
+    assert int(flsmem.occupancy(memories.evictable).min()) == 24
+    # Without the window the plain model differs: the local layers really forget.
+    wide = Decoder(dataclasses.replace(LOCAL, sliding_window=64), nnx.Rngs(3))
+    assert not np.allclose(wide(tokens)[0], plain, atol=1e-3)
+    with pytest.raises(ValueError, match="at least one layer must be global"):
+        dataclasses.replace(LOCAL, local_layers=tuple(range(6)))
+    with pytest.raises(ValueError, match="sliding_window and local_layers go together"):
+        dataclasses.replace(LOCAL, sliding_window=None)

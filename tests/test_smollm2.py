@@ -140,10 +140,10 @@ def test_memory_path_with_full_policy_matches_plain_forward(loaded, persuasion):
     @jax.jit
     def step(state, memories):
         logits, memories, attention = nnx.merge(graphdef, state)(tokens, positions, memories)
-        return logits, flsmem.update_layers(memories, attention)
+        return logits, memories.fold(attention)
 
     logits, memories = step(state, memories)
     assert logits.shape == (1, t, model.cfg.vocab_size)
     # Same function, different summation order: float32 rounding only (measured 1e-5 on logits of size ~35).
     np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), rtol=0, atol=1e-3)
-    assert int(jnp.min(flsmem.occupancy(memories))) == t  # full keeps every item, in every layer
+    assert int(jnp.min(flsmem.occupancy(memories.evictable))) == t  # full keeps every item, in every layer
