@@ -112,6 +112,8 @@ def reference_tokens(path, text: str) -> list[int]:
     tokens, scores, kinds = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.scores"), get("tokenizer.ggml.token_type")
     ids = {t: i for i, t in enumerate(tokens)}
     literal = sorted((t for t, k in zip(tokens, kinds) if k in (3, 4)), key=len, reverse=True)
+    # Llama 2's files put a space before the text, and again after each literal token.
+    prefix = " " if "tokenizer.ggml.add_space_prefix" in reader.fields and get("tokenizer.ggml.add_space_prefix") else ""
     out, start = [], 0
     while start < len(text):
         match = next((t for t in literal if text.startswith(t, start)), None)
@@ -122,7 +124,7 @@ def reference_tokens(path, text: str) -> list[int]:
         end = start + 1
         while end < len(text) and next((t for t in literal if text.startswith(t, end)), None) is None:
             end += 1
-        out += _merge_by_score(text[start:end].replace(" ", "\u2581"), ids, scores)
+        out += _merge_by_score((prefix + text[start:end]).replace(" ", "\u2581"), ids, scores)
         start = end
     return out
 

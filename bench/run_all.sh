@@ -15,6 +15,7 @@ $python -m bench.overhead --quick --cores all --out overhead-quick-all-cores
 $python -m bench.overhead --models tiny,smollm2 --batch 1 --policies learned,learned_offline,rmm --evict-every 8 --rounds 5 --cores 1 --out overhead-learned
 $python -m bench.profile --batch 1,8 --cores 1
 $python -m bench.longctx --batch 1,8
+$python -m bench.prefill_memory
 $python -m bench.pyref
 $python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3
 $python -m bench.report

@@ -17,7 +17,7 @@ from flsmem import checkpoint, checks, kernels, oracle_future, policies, shardin
 from flsmem.attention import attend, compress
 from flsmem.config import MemoryConfig
 from flsmem.evict import evict, priority, protected
-from flsmem.layers import init_kv, place, update_layers
+from flsmem.layers import init_kv, observe_layers, place, update_layers
 from flsmem.observe import observe, reduce_query_heads
 from flsmem.oracle_future import discounted_future
 from flsmem.smooth import smooth
@@ -43,6 +43,7 @@ __all__ = [
     "init_kv",
     "kernels",
     "observe",
+    "observe_layers",
     "occupancy",
     "oracle_future",
     "place",

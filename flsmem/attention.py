@@ -169,7 +169,7 @@ def _fold(memory, evidence, correctness, layer):
 
 def compress(
     memory: MemoryState,
-    evidence: Float[Array, "*L B K T S"],
+    evidence: Float[Array, "*L B K T S"] | None = None,
     correctness: Float[Array, "B T"] | None = None,
     future: Float[Array, "*L B K T S"] | None = None,
     *,
@@ -179,18 +179,22 @@ def compress(
 
     The prefix's items were written (and its evidence returned) by :func:`attend` with
     ``fold=False``; every item is scored from the whole prefix's attention and the
-    lowest are evicted, whatever the schedule (kvpress's protocol).
+    lowest are evicted, whatever the schedule (kvpress's protocol). A long prefix is
+    better prefilled in chunks, each chunk's evidence folded with :func:`flsmem.observe`
+    (:func:`flsmem.observe_layers`) as it comes, and then cut here with
+    ``evidence=None``: the same kept set, in memory bounded by the chunk.
 
     Args:
       memory: one layer's memory or stacked memories ``[L, ...]``.
-      evidence: the prefix's attention, ``[B, K, T, S]`` (``[L, B, K, T, S]`` stacked).
+      evidence: the prefix's attention, ``[B, K, T, S]`` (``[L, B, K, T, S]`` stacked),
+        or None when it was folded already.
       correctness: ``[B, T]`` weights of the prefix's predictions (1 if None).
       future: like ``evidence``, for the oracle; else None.
       budget: items each row keeps (the config's budget if None).
     """
     def one(args):
         mem, att, fut = args
-        return evict(smooth(observe(mem, att, correctness, fut)), budget=budget)
+        return evict(smooth(mem if att is None else observe(mem, att, correctness, fut)), budget=budget)
 
     if not is_stacked(memory):
         return one((memory, evidence, future))

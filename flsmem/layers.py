@@ -19,12 +19,13 @@ import jax.numpy as jnp
 
 from flsmem import validate
 from flsmem.config import MemoryConfig
+from flsmem.observe import observe
 from flsmem.state import MemoryState, aux_axes, init, visible
 from flsmem.typing import Array, Bool, Float, Int
 from flsmem.update import update
 from flsmem.write import write_slots
 
-__all__ = ["init_kv", "is_stacked", "place", "update_layers"]
+__all__ = ["init_kv", "is_stacked", "place", "update_layers", "observe_layers"]
 
 
 def init_kv(
@@ -141,18 +142,39 @@ def update_layers(
             expand = lambda x: None if x is None else x[:, :, :, None]  # noqa: E731
             attention, future = expand(attention), expand(future)
             correctness = None if correctness is None else jnp.reshape(correctness, (-1, 1))
-        memories = _update_each_layer(memories, attention, correctness, future)
+        memories = _each_layer(update, memories, attention, correctness, future)
     return memories.replace(payload=payload)
 
 
-def _update_each_layer(memories, attention, correctness, future):
-    """Query by query in every layer. A loop over layers (not vmap) keeps each layer's
-    eviction a real branch; each layer's memory is written back in place (``lax.map``
-    would stack a fresh copy of every layer's state at every step)."""
+def observe_layers(
+    memories: MemoryState,
+    attention: Float[Array, "L B K Q S"],
+    correctness: Float[Array, "B Q"] | None = None,
+    future: Float[Array, "L B K Q S"] | None = None,
+) -> MemoryState:
+    """:func:`flsmem.observe` for every layer of stacked memories: a chunk's evidence
+    folded in, nothing evicted.
+
+    A long prefix prefilled chunk by chunk folds each chunk's attention here and is cut
+    once at the end by :func:`flsmem.compress` (``evidence=None``): the same kept set as
+    compressing the whole prefix's attention at once, without ever holding it.
+    """
+    if not is_stacked(memories):
+        validate.fail(f"memories must be stacked over layers [L, B, K, S], got valid of shape {memories.valid.shape}")
+    payload = memories.payload
+    memories = _each_layer(observe, memories.replace(payload=None), attention, correctness, future)
+    return memories.replace(payload=payload)
+
+
+def _each_layer(step, memories, attention, correctness, future):
+    """``step`` (update or observe) query by query in every layer. A loop over layers
+    (not vmap) keeps each layer's eviction a real branch; each layer's memory is written
+    back in place (``lax.map`` would stack a fresh copy of every layer's state at every
+    step)."""
 
     def layer(i, memories):
         at = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
-        one = update(jax.tree.map(at, memories), at(attention), correctness, at(future))
+        one = step(jax.tree.map(at, memories), at(attention), correctness, at(future))
         return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), memories, one)
 
     return jax.lax.fori_loop(0, attention.shape[0], layer, memories)

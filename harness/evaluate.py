@@ -201,10 +201,17 @@ def _run(graphdef, params, windows, futures, aux, *, config, chunk, correctness,
 
     start = 0
     if prefill:
-        memories, attention, (nll, hit), weight = forward(memories, 0, prefill)
-        memories = memories.compress(attention, weight, gather_future(memories, 0, prefill), budget=config.budget)
-        nll_parts.append(nll)
-        hit_parts.append(hit)
+        # The prefix in chunks, each chunk's evidence folded and nothing evicted, then
+        # cut to the budget at once: what compressing the whole prefix's attention
+        # gives, with memory bounded by one chunk's attention and logits.
+        def prefix(memories, t0):
+            memories, attention, out, weight = forward(memories, t0, chunk)
+            return memories.observe(attention, weight, gather_future(memories, t0, chunk)), out
+
+        memories, (nll, hit) = jax.lax.scan(prefix, memories, jnp.arange(0, prefill, chunk, dtype=jnp.int32))
+        memories = memories.compress(budget=config.budget)
+        nll_parts.append(jnp.moveaxis(nll, 0, 1).reshape(w, -1))
+        hit_parts.append(jnp.moveaxis(hit, 0, 1).reshape(w, -1))
         start = prefill
 
     def body(memories, t0):
@@ -271,8 +278,9 @@ def evaluate_windows(
       state per layer.
     """
     steps = windows.shape[1] - 1
-    if (steps - prefill) % chunk:
-        raise ValueError(f"the scored length ({steps - prefill}) must be a multiple of evict_every ({chunk})")
+    if (steps - prefill) % chunk or prefill % chunk:
+        raise ValueError(f"the prefix ({prefill}) and the scored length ({steps - prefill}) must be multiples of "
+                         f"evict_every ({chunk})")
     if correctness not in CORRECTNESS:
         raise ValueError(f"correctness must be one of {tuple(CORRECTNESS)}, got {correctness!r}")
     if policy.needs_future and futures is None:
@@ -280,9 +288,12 @@ def evaluate_windows(
     if not policy.evicts:
         budget = steps
     if prefill:
-        # Room for the whole prefix at once, and for the scored tokens after compression.
-        config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=steps - prefill + 1,
-                                     max_chunk=max(prefill, chunk))
+        # No eviction after the cut (evict_every past the scored tokens), and room for the
+        # whole prefix before it: the capacity, budget + evict_every + max_chunk - 1, is
+        # at least the prefix.
+        every = steps - prefill + 1
+        config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=every,
+                                     max_chunk=max(chunk, prefill - budget - every + 1))
     else:
         config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=chunk, max_chunk=chunk)
     graphdef, params = _split(model)

@@ -190,8 +190,14 @@ class Memories:
         layers folded theirs already."""
         return self.replace(evictable=flsmem.update_layers(self.evictable, attention, correctness, future))
 
-    def compress(self, attention, correctness=None, future=None, budget=None) -> "Memories":
-        """The global layers cut to ``budget`` after a prefill (:func:`flsmem.compress`)."""
+    def observe(self, attention, correctness=None, future=None) -> "Memories":
+        """The global layers' evidence of a prefill chunk folded in, nothing evicted
+        (:func:`flsmem.observe_layers`); :meth:`compress` cuts them at the end."""
+        return self.replace(evictable=flsmem.observe_layers(self.evictable, attention, correctness, future))
+
+    def compress(self, attention=None, correctness=None, future=None, budget=None) -> "Memories":
+        """The global layers cut to ``budget`` after a prefill (:func:`flsmem.compress`);
+        ``attention`` None when the prefill's evidence was observed chunk by chunk."""
         return self.replace(evictable=flsmem.compress(self.evictable, attention, correctness, future, budget=budget))
 
 

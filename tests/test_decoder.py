@@ -161,3 +161,41 @@ def test_local_layers_keep_exactly_their_window():
         dataclasses.replace(LOCAL, local_layers=tuple(range(6)))
     with pytest.raises(ValueError, match="sliding_window and local_layers go together"):
         dataclasses.replace(LOCAL, sliding_window=None)
+
+
+@pytest.mark.parametrize("policy", [P.h2o(recent=2), P.rmm(lag=3, recent=2), P.snapkv(window=4), P.tova()],
+                         ids=lambda p: p.name)
+def test_prefill_in_chunks_keeps_what_compressing_the_whole_prefix_keeps(policy):
+    """Bounded-memory prefill: each chunk's attention folded as it comes (observe), the
+    prefix cut once at the end, keeps the same items as compressing the attention of
+    the whole prefix held at once, and the continuation's logits agree."""
+    prefix, chunk, budget = 32, 8, 10
+    config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=17, max_chunk=prefix)
+    weight = jax.random.uniform(jax.random.key(7), (2, prefix))
+    positions = lambda start, n: jnp.broadcast_to(start + jnp.arange(n, dtype=jnp.int32), (2, n))  # noqa: E731
+
+    @jax.jit
+    def whole(params):
+        model = nnx.merge(GRAPHDEF, params)
+        _, memories, attention = model(TOKENS[:, :prefix], positions(0, prefix), init_memories(CFG, config, 2))
+        return memories.compress(attention, weight, budget=budget)
+
+    @jax.jit
+    def chunked(params):
+        model = nnx.merge(GRAPHDEF, params)
+
+        def step(memories, start):
+            tokens = jax.lax.dynamic_slice_in_dim(TOKENS, start, chunk, 1)
+            _, memories, attention = model(tokens, positions(start, chunk), memories)
+            return memories.observe(attention, jax.lax.dynamic_slice_in_dim(weight, start, chunk, 1)), None
+
+        memories, _ = jax.lax.scan(step, init_memories(CFG, config, 2), jnp.arange(0, prefix, chunk))
+        return memories.compress(budget=budget)
+
+    held = lambda m: np.sort(np.where(m.evictable.valid, m.evictable.position, -1), axis=-1)  # noqa: E731
+    a, b = whole(PARAMS), chunked(PARAMS)
+    np.testing.assert_array_equal(held(a), held(b))
+    assert int(a.evictable.valid.sum(-1).max()) == budget
+    np.testing.assert_allclose(a.evictable.score, b.evictable.score, rtol=1e-5, atol=1e-6)
+    after = lambda m: MODEL(TOKENS[:, prefix:prefix + 4], positions(prefix, 4), m)[0]  # noqa: E731
+    np.testing.assert_allclose(after(a), after(b), atol=ATOL)

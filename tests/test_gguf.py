@@ -82,7 +82,7 @@ def _add(writer, rng, name, value, kind):
         writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), kind), raw_dtype=kind)
 
 
-def _write(path, arch, kind, *, tied=True, bias=False, factors=False, seed=0):
+def _write(path, arch, kind, *, tied=True, bias=False, factors=False, space_prefix=False, seed=0):
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     gemma = arch == "gemma3"
@@ -107,7 +107,7 @@ def _write(path, arch, kind, *, tied=True, bias=False, factors=False, seed=0):
         writer.add_bos_token_id(2)
         writer.add_eos_token_id(1)
         writer.add_add_bos_token(True)
-        writer.add_add_space_prefix(False)
+        writer.add_add_space_prefix(space_prefix)
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default" if arch == "llama" else "qwen2")
@@ -181,11 +181,13 @@ TEXTS = ["Persuasion, 1817: Anne!", " Anne said well,\n\nthe  Persuasion.", "Ann
          "<start_of_turn>the\tAnnnne  <bos>!", "", "   ", "Persuasionsion 18171817"]
 
 
-def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path):
+@pytest.mark.parametrize("space_prefix", [False, True], ids=["gemma", "llama2-space-prefix"])
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path, space_prefix):
     """Score-greedy merges, byte fallback for unknown characters (the snowman, the
-    kanji, the tab), user-defined and control tokens matched whole."""
+    kanji, the tab), user-defined and control tokens matched whole; with Llama 2's
+    space prefix, a space before the text and after each literal token."""
     path = tmp_path / "model.gguf"
-    _write(path, "gemma3", T.F32)
+    _write(path, "gemma3", T.F32, space_prefix=space_prefix)
     from flsmem.models.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(gguf.GGUFReader(path))
@@ -194,8 +196,12 @@ def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path):
     texts = TEXTS + ["".join(rng.choice(pieces, 12)) for _ in range(40)]
     for text in texts:
         assert tokenizer.encode(text).tolist() == reference_tokens(path, text), text
-        assert tokenizer.decode(tokenizer.encode(text)) == text
-    assert [tokenizer.token(i) for i in tokenizer.encode("\u2603")] == ["<0xE2>", "<0x98>", "<0x83>"]
+        # The space put after a literal token is decoded too, as llama.cpp decodes it.
+        if not space_prefix:
+            assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.decode(tokenizer.encode(TEXTS[0])) == TEXTS[0]
+    snowman = ["<0xE2>", "<0x98>", "<0x83>"]
+    assert [tokenizer.token(i) for i in tokenizer.encode("\u2603")] == (["\u2581"] if space_prefix else []) + snowman
 
 
 def test_unsupported_files_are_refused_by_name(tmp_path):
