@@ -1,6 +1,7 @@
 """RULER in-tree: the generated tasks, the scores, the runner and the command."""
 
 import collections
+import json
 import re
 
 import pytest
@@ -97,3 +98,83 @@ def test_scores_follow_ruler():
         gold = " " + ", ".join(sample["answers"]) + "."
         assert score.score(task, gold, sample["answers"]) == 1.0
         assert score.score(task, "", sample["answers"]) == 0.0
+
+
+def _row(task, policy, protocol, budget, index, value):
+    return {"model": "m", "task": task, "length": 256, "index": index, "seed": 0, "policy": policy,
+            "protocol": protocol, "budget": budget, "evict_every": 16, "score": value}
+
+
+def test_the_report_marks_tasks_beyond_the_model_and_leaves_them_out(tmp_path):
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(4):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("cwe", "full", "stream", 1.0, index, 0.1),
+                 _row("vt", "h2o", "stream", 0.25, index, float(index % 2)),
+                 _row("cwe", "h2o", "stream", 0.25, index, 0.0)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut short')
+    text = report.write(path).read_text()
+    assert "| policy | budget | vt | cwe † | average |" in text
+    # h2o: vt half right, cwe left out of the average.
+    assert "| h2o | 0.25 | 50 [0–100] | 0 [0–0] | 50 [0–100] |" in text
+    assert "| full | full | 100 [100–100] | 10 [10–10] | 100 [100–100] |" in text
+    assert (tmp_path / "m.png").is_file()
+
+
+def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypatch):
+    from flsmem.harness.ruler import protocols, run
+    from flsmem.models import catalog
+
+    # Prefill in pieces of evict_every: one program fewer to compile.
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 16)
+    plan = run.Plan(model="tiny", lengths=(512,), tasks=("niah_single_1",), policies=("h2o",), budgets=(0.25,),
+                    protocols=protocols.PROTOCOLS, samples=1)
+    out = tmp_path / "tiny.jsonl"
+    assert run.run(plan, out, progress=False) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["protocol"] for r in rows) == sorted(protocols.PROTOCOLS)
+    for r in rows:
+        assert r["budget_tokens"] == 128 and r["evictions"] > 0 and 0 < r["generated_tokens"] <= 128
+        assert r["prompt_tokens"] <= 512 and r["score"] in (0.0, 1.0)
+    monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a resumed run with nothing to do loads no model"))
+    assert run.run(plan, out, progress=False) == 0
+
+
+BAD_ARGUMENTS = {
+    "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),
+    "unknown policy": (["--policies", "h2o,lru"], "--policies"),
+    "unknown protocol": (["--protocols", "prefill"], "--protocols"),
+    "budget zero": (["--budgets", "0,1/4"], "--budgets"),
+    "budget above one": (["--budgets", "2"], "--budgets"),
+    "budget not a number": (["--budgets", "half"], "--budgets"),
+    "length zero": (["--length", "0"], "--length"),
+    "length and lengths": (["--length", "512", "--lengths", "256,512"], "--length and --lengths"),
+    "lengths not ints": (["--lengths", "256,big"], "--lengths"),
+    "no samples": (["--samples", "0"], "--samples"),
+    "negative seed": (["--seed", "-1"], "--seed"),
+    "evict_every zero": (["--evict-every", "0"], "--evict-every"),
+    "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
+    "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
+    "out is a folder": (["--out", "{tmp}"], "--out"),
+    "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, monkeypatch):
+    from flsmem.harness.cli import main
+    from flsmem.models import catalog
+
+    monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a bad argument must stop before a model loads"))
+    argv, name = BAD_ARGUMENTS[case]
+    argv = ["ruler", "--model", "tiny", "--out", str(tmp_path / "r.jsonl")] + [a.replace("{tmp}", str(tmp_path))
+                                                                               for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"flsmem ruler: error: {name.replace('{tmp}', str(tmp_path))}"), err
+    assert list(tmp_path.iterdir()) == []
