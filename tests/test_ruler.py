@@ -158,6 +158,7 @@ BAD_ARGUMENTS = {
     "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
     "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
     "out is a folder": (["--out", "{tmp}"], "--out"),
+    "out under a file": (["--out", "{tmp}/file/r.jsonl"], "--out"),
     "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),
 }
 
@@ -168,6 +169,8 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, mo
     from flsmem.models import catalog
 
     monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a bad argument must stop before a model loads"))
+    (tmp_path / "file").write_text("not a folder")
+    before = sorted(tmp_path.rglob("*"))
     argv, name = BAD_ARGUMENTS[case]
     argv = ["ruler", "--model", "tiny", "--out", str(tmp_path / "r.jsonl")] + [a.replace("{tmp}", str(tmp_path))
                                                                                for a in argv]
@@ -177,4 +180,4 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(f"flsmem ruler: error: {name.replace('{tmp}', str(tmp_path))}"), err
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written

@@ -242,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _names(option: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in known]
     require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}; got {text!r}"
                                    + (f", unknown {unknown}" if unknown else ""))
@@ -258,7 +258,7 @@ def _fractions(text: str) -> tuple[float, ...]:
             raise ValueError(f"--budgets must be fractions of the length like 1/8 or 0.25, got {part!r}") from None
         require(0 < value <= 1, f"--budgets must lie in (0, 1], got {part!r}")
         found.append(float(value))
-    return tuple(found)
+    return tuple(dict.fromkeys(found))
 
 
 def _lengths(args: argparse.Namespace) -> tuple[int, ...]:
@@ -270,7 +270,7 @@ def _lengths(args: argparse.Namespace) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"--lengths must be comma-separated ints, got {args.lengths!r}") from None
     require(lengths and min(lengths) >= 1, f"--lengths must be positive ints, got {args.lengths!r}")
-    return lengths
+    return tuple(dict.fromkeys(lengths))
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
@@ -298,6 +298,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     stem = Path(plan.model).stem + ("-quick" if args.quick else "")
     out = Path(args.out) if args.out else Path("results") / "ruler" / f"{stem}.jsonl"
     require(not out.is_dir(), f"--out must be a file, got the folder {str(out)!r}")
+    require(not any(folder.is_file() for folder in out.parents),
+            f"--out must be a file in a folder, but a file stands in its path {str(out)!r}")
     require(not args.report or out.is_file(), f"--report needs the results in --out, but {str(out)!r} does not exist")
     return plan, out
 
