@@ -1,4 +1,4 @@
-"""The ``flsmem`` command line: ``demo``, ``eval``, ``generate``, ``regime`` and ``learned``.
+"""The ``flsmem`` command line: ``demo``, ``eval``, ``generate``, ``regime``, ``learned`` and ``ruler``.
 
 It drives the layers above the library (models and the evaluation harness), so it lives
 with them; the library itself never imports it."""
@@ -46,16 +46,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     generate = commands.add_parser(
         "generate", help="continue prompts with a bounded KV cache, printing tokens as they come"
     )
+    ruler = commands.add_parser(
+        "ruler", help="RULER's synthetic tasks under every policy, budget and protocol; results resume; a report"
+    )
     from flsmem.harness import generate as generate_module
     from flsmem.harness import learned as learned_module
     from flsmem.harness import regime as regime_module
     from flsmem.harness.arguments import usage_error
     from flsmem.harness.report import add_arguments
+    from flsmem.harness.ruler import run as ruler_module
 
     add_arguments(evaluate)
     regime_module.add_arguments(regime)
     learned_module.add_arguments(learned)
     generate_module.add_arguments(generate)
+    ruler_module.add_arguments(ruler)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from flsmem.demo import run_demo
@@ -71,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         generate_module.run(args, functools.partial(usage_error, "flsmem generate"))
     elif args.command == "learned":
         learned_module.run_cli(args)
+    elif args.command == "ruler":
+        ruler_module.run_cli(args)
     else:
         regime_module.run_cli(args)
 

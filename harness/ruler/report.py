@@ -1,0 +1,206 @@
+"""The RULER report: accuracy tables and a plot from the rows of ``flsmem ruler``.
+
+For each prompt length: a summary of the average accuracy per policy and budget under
+each protocol, then per protocol a table of every task. A cell is the mean score in
+percent over the samples with its 95% interval: a percentile bootstrap over the samples
+(2,000 resamples, seeded; for the average, the samples of each task are resampled
+within the task). A task whose full-cache score is below 20% is beyond the model: it
+is marked and left out of the averages, since no eviction can be judged on it. The plot
+shows the average accuracy against the budget, one panel per length and protocol.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from flsmem.harness.ruler.protocols import PROTOCOLS
+from flsmem.harness.ruler.tasks import TASKS
+
+__all__ = ["KEY", "BEYOND", "RESAMPLES", "load", "format_report", "plot", "write"]
+
+# The fields that name one answer in a results file: the runner does not redo a row
+# with the same values, and the report keeps the last of them.
+KEY = ("model", "task", "length", "index", "seed", "policy", "protocol", "budget", "evict_every")
+# Below this full-cache accuracy a task is beyond the model.
+BEYOND = 0.2
+RESAMPLES = 2000
+
+
+def load(path: Path) -> list[dict]:
+    """The rows of a results file, the last one of each answer when repeated; a line
+    cut short by an interruption is skipped."""
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+            rows[tuple(row[k] for k in KEY)] = row
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return list(rows.values())
+
+
+def _policies(rows: list[dict]) -> list[str]:
+    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+
+    order = {name: i for i, name in enumerate(POLICY_NAMES + LEARNED_NAMES)}
+    return sorted({r["policy"] for r in rows}, key=lambda name: order.get(name, len(order)))
+
+
+def _scores(rows: list[dict]) -> dict[tuple, dict[str, np.ndarray]]:
+    """``{(length, protocol, policy, budget): {task: scores by sample index}}``."""
+    found: dict[tuple, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        found[(r["length"], r["protocol"], r["policy"], r["budget"])][r["task"]][r["index"]] = r["score"]
+    return {arm: {task: np.array([s[i] for i in sorted(s)]) for task, s in tasks.items()} for arm, tasks in found.items()}
+
+
+def _interval(per_task: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float, float]:
+    """Mean over tasks of each task's mean, and its 95% percentile-bootstrap interval."""
+    mean = float(np.mean([s.mean() for s in per_task]))
+    draws = np.mean([s[rng.integers(len(s), size=(RESAMPLES, len(s)))].mean(axis=1) for s in per_task], axis=0)
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return mean, float(low), float(high)
+
+
+def _cell(per_task: list[np.ndarray] | None, rng: np.random.Generator) -> str:
+    if not per_task:
+        return "–"
+    mean, low, high = _interval(per_task, rng)
+    return f"{100 * mean:.0f} [{100 * low:.0f}–{100 * high:.0f}]"
+
+
+def _beyond(scores: dict, length: int) -> set[str]:
+    """Tasks of ``length`` whose full-cache accuracy is below :data:`BEYOND`."""
+    full = [tasks for (n, _, policy, _), tasks in scores.items() if n == length and policy == "full"]
+    if not full:
+        return set()
+    return {task for task, s in full[0].items() if s.mean() < BEYOND}
+
+
+def _arms(scores: dict, length: int, protocol: str, policies: list[str]) -> list[tuple[str, float]]:
+    found = {(p, b) for (n, proto, p, b) in scores if n == length and proto == protocol}
+    return sorted(found, key=lambda arm: (policies.index(arm[0]), arm[1]))
+
+
+def _summary(scores, length, policies, kept, rng) -> list[str]:
+    """Average accuracy: a row per policy, a column per protocol and budget."""
+    columns = sorted({(proto, b) for (n, proto, p, b) in scores if n == length and p != "full"},
+                     key=lambda c: (PROTOCOLS.index(c[0]) if c[0] in PROTOCOLS else 9, c[1]))
+    lines = ["| policy | " + " | ".join(f"{proto} {b:g}" for proto, b in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for policy in policies:
+        cells = []
+        for proto, b in columns:
+            # The full cache answers alike under every protocol and budget: its one figure in every column.
+            tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
+            cells.append(_cell([tasks[t] for t in kept if t in tasks], rng))
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _protocol_table(scores, length, protocol, policies, kept, beyond, rng) -> list[str]:
+    """Every task: a row per policy and budget, a column per task and the average."""
+    tasks = [t for t in TASKS if any(t in s for (n, proto, _, _), s in scores.items()
+                                     if n == length and proto == protocol)]
+    header = [t + (" †" if t in beyond else "") for t in tasks]
+    lines = ["| policy | budget | " + " | ".join(header) + " | average |", "|---" * (len(tasks) + 3) + "|"]
+    for policy, budget in _arms(scores, length, protocol, policies):
+        got = scores[(length, protocol, policy, budget)]
+        cells = [_cell([got[t]] if t in got else None, rng) for t in tasks]
+        average = _cell([got[t] for t in kept if t in got], rng)
+        lines.append(f"| {policy} | {'full' if policy == 'full' else f'{budget:g}'} | " + " | ".join(cells)
+                     + f" | {average} |")
+    return lines
+
+
+def format_report(rows: list[dict], title: str) -> str:
+    """The markdown report of ``rows``."""
+    scores, policies = _scores(rows), _policies(rows)
+    rng = np.random.default_rng(0)
+    lines = [f"# {title}", "",
+             "Accuracy in percent (RULER's string match: the share of the gold answers found in the answer), "
+             f"mean over samples with a 95% percentile-bootstrap interval ({RESAMPLES} resamples). Budgets are "
+             f"fractions of the prompt length kept per layer and KV head; the full cache keeps everything. "
+             f"Tasks marked † score below {100 * BEYOND:.0f}% with the full cache: they are beyond the model and "
+             "left out of the averages.", ""]
+    for length in sorted({r["length"] for r in rows}):
+        beyond = _beyond(scores, length)
+        kept = [t for t in TASKS if t not in beyond]
+        samples = sorted({len(s) for (n, *_), tasks in scores.items() if n == length for s in tasks.values()})
+        lines += [f"## {length} tokens", "",
+                  f"Samples per task: {', '.join(map(str, samples))}. Beyond the model: "
+                  f"{', '.join(sorted(beyond)) or 'none'}.", "", "### Average accuracy", ""]
+        lines += _summary(scores, length, policies, kept, rng) + [""]
+        for protocol in [p for p in PROTOCOLS if any(k[0] == length and k[1] == p for k in scores)]:
+            lines += [f"### {protocol}", ""]
+            lines += _protocol_table(scores, length, protocol, policies, kept, beyond, rng) + [""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Average accuracy against the budget: a panel per length and protocol, a line per
+    policy, the full cache dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scores, policies = _scores(rows), _policies(rows)
+    lengths = sorted({r["length"] for r in rows})
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for r in rows)]
+    fig, axes = plt.subplots(len(lengths), len(protocols), figsize=(4.5 * len(protocols), 3.6 * len(lengths)),
+                             squeeze=False, sharey=True)
+    colours = plt.get_cmap("tab20")
+    for row, length in enumerate(lengths):
+        kept = [t for t in TASKS if t not in _beyond(scores, length)]
+        for col, protocol in enumerate(protocols):
+            ax = axes[row][col]
+            for i, policy in enumerate(policies):
+                _plot_policy(ax, scores, length, protocol, policy, kept, colours(i))
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{protocol}, {length} tokens", fontsize=9)
+            ax.set_xlabel("budget (fraction of the prompt)")
+            ax.grid(alpha=0.3)
+        axes[row][0].set_ylabel("average accuracy (%)")
+    if axes[0][-1].get_legend_handles_labels()[0]:
+        axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _plot_policy(ax, scores, length, protocol, policy, kept, colour) -> None:
+    def average(budget):
+        tasks = scores.get((length, protocol, policy, budget), {})
+        present = [tasks[t].mean() for t in kept if t in tasks]
+        return 100 * float(np.mean(present)) if present else None
+
+    if policy == "full":
+        value = average(1.0)
+        if value is not None:
+            ax.axhline(value, color="k", linestyle="--", linewidth=1, label="full")
+        return
+    points = [(b, average(b)) for (n, proto, p, b) in sorted(scores) if (n, proto, p) == (length, protocol, policy)]
+    points = [(b, v) for b, v in points if v is not None]
+    if points:
+        style = {"color": "k", "linewidth": 2} if policy == "oracle" else {"color": colour}
+        ax.plot(*zip(*points), marker="o", markersize=3, label=policy, **style)
+
+
+def write(results: Path) -> Path:
+    """Write the report of ``results`` (JSON lines) beside it, as ``.md`` and ``.png``;
+    returns the markdown's path."""
+    results = Path(results)
+    rows = load(results)
+    models = sorted({Path(r["model"]).name for r in rows})
+    title = f"RULER under eviction: {', '.join(models) or 'no results'}"
+    markdown = results.with_suffix(".md")
+    markdown.write_text(format_report(rows, title) + "\n")
+    if rows:
+        plot(rows, results.with_suffix(".png"), title)
+    return markdown

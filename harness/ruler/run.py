@@ -1,0 +1,329 @@
+"""``flsmem ruler``: RULER's tasks under every eviction policy, budget and protocol.
+
+For each prompt length, task and sample (:mod:`.tasks`, sized to the model's
+tokenizer), every policy answers at every budget (a fraction of the length: the items
+each layer's memory row keeps) under every protocol (:mod:`.protocols`), decoding
+greedily up to the task's token limit; the answer is scored as RULER scores it
+(:mod:`.score`). The full cache never evicts, so its answer is the same under every
+protocol: it is computed once per sample and recorded for each protocol at budget 1.
+
+Each answer is appended at once as one JSON line to ``--out``; a run given the same
+file skips what it holds, so an interrupted run resumes where it stopped. The report
+(:mod:`.report`) is written next to the file at the end, or alone with ``--report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from flsmem.harness.arguments import checking
+from flsmem.harness.ruler import report
+from flsmem.harness.ruler.protocols import PROTOCOLS
+from flsmem.harness.ruler.report import KEY
+from flsmem.harness.ruler.tasks import MAX_NEW_TOKENS, TASKS, make_sample
+from flsmem.models import catalog
+from flsmem.validate import nonneg_int, positive_int, require
+
+__all__ = ["Plan", "QUICK", "run", "add_arguments", "check_arguments", "run_cli"]
+
+COMMAND = "flsmem ruler"
+# ``--quick``: one sample of the easiest task, the full cache and h2o at a quarter of the
+# length, every protocol: a smoke run of the whole pipeline. On SmolLM2-135M at 4,096
+# tokens an answer takes minutes on a 2-core CPU (a prefill attends over every slot).
+QUICK = {"tasks": "niah_single_1", "policies": "full,h2o", "budgets": "1/4", "samples": 1}
+# The oracle's table and the memories make room for the longest answer of any task, so
+# one compilation serves every task.
+MAX_NEW = max(MAX_NEW_TOKENS.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run measures.
+
+    Attributes:
+      model: a model name or GGUF path (:mod:`flsmem.models.catalog`).
+      lengths: prompt lengths, in the model's tokens.
+      tasks: names from :data:`flsmem.harness.ruler.tasks.TASKS`.
+      policies: names from :data:`flsmem.harness.evaluate.POLICY_NAMES` (or the learned ones).
+      budgets: fractions of the length kept per layer and KV head.
+      protocols: names from :data:`flsmem.harness.ruler.protocols.PROTOCOLS`.
+      samples: samples per task and length.
+      seed: seed of the samples.
+      evict_every: items that arrive between two evictions.
+    """
+
+    model: str
+    lengths: tuple[int, ...]
+    tasks: tuple[str, ...]
+    policies: tuple[str, ...]
+    budgets: tuple[float, ...]
+    protocols: tuple[str, ...]
+    samples: int
+    seed: int = 0
+    evict_every: int = 16
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[name] for name in KEY)
+
+
+def _done(out: Path) -> set[tuple]:
+    """Keys of the rows already in ``out`` (a line cut short by an interruption is skipped)."""
+    if not out.is_file():
+        return set()
+    done = set()
+    for line in out.read_text().splitlines():
+        try:
+            done.add(_key(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return done
+
+
+def _append(out: Path, row: dict) -> None:
+    with out.open("a+") as f:
+        f.seek(0, 2)
+        if f.tell():
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":  # the line an interruption cut short stays apart
+                f.write("\n")
+        f.write(json.dumps(row) + "\n")
+
+
+def _jobs(plan: Plan, samples: list[dict], done: set[tuple]) -> Iterator[tuple[str, dict, list[tuple[str, float]]]]:
+    """``(policy, sample, [(protocol, budget), ...])`` still to answer, policy by policy."""
+    for policy in plan.policies:
+        arms = [(p, 1.0) for p in plan.protocols] if policy == "full" else [
+            (p, b) for p in plan.protocols for b in plan.budgets]
+        for sample in samples:
+            base = {"model": plan.model, "policy": policy, "evict_every": plan.evict_every,
+                    **{k: sample[k] for k in ("task", "length", "index", "seed")}}
+            todo = [(p, b) for p, b in arms if _key({**base, "protocol": p, "budget": b}) not in done]
+            if todo:
+                yield policy, sample, todo
+
+
+def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
+    """Answer every sample of ``plan`` not yet in ``out``, appending a row per answer.
+
+    Args:
+      plan: what to measure.
+      out: the JSON-lines file (created with its folder if missing).
+      model, tokenizer: the loaded model; loaded from ``plan.model`` when needed.
+      progress: show a tqdm bar.
+
+    Returns:
+      The number of rows appended.
+    """
+    from tqdm.auto import tqdm
+
+    tokenizer = tokenizer or catalog.load_tokenizer(plan.model)
+    samples = [make_sample(task, length, index, tokenizer, plan.seed)
+               for length in plan.lengths for task in plan.tasks for index in range(plan.samples)]
+    jobs = list(_jobs(plan, samples, _done(out)))
+    if not jobs:
+        return 0
+    if model is None:
+        model, _ = catalog.load(plan.model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
+    written, last_policy = 0, None
+    answerer = _Answerer(plan, model, tokenizer)
+    for policy, sample, arms in jobs:
+        if policy != last_policy:
+            answerer.forget()
+            last_policy = policy
+        for row in answerer.rows(policy, sample, arms):
+            _append(out, row)
+            written += 1
+            bar.set_postfix_str(f"{policy} {sample['task']} {row['protocol']} {row['budget']:g}", refresh=False)
+            bar.update(1)
+    bar.close()
+    return written
+
+
+class _Answerer:
+    """Answers of one model: builds policies and memory settings, caches the oracle's
+    table of each sample, and frees compiled programs between policies."""
+
+    def __init__(self, plan: Plan, model, tokenizer):
+        self.plan, self.model, self.tokenizer = plan, model, tokenizer
+
+    def forget(self) -> None:
+        import jax
+
+        # Each policy compiles programs of its own; the next policy needs none of them.
+        jax.clear_caches()
+
+    def rows(self, policy: str, sample: dict, arms: list[tuple[str, float]]) -> Iterator[dict]:
+        """A row per ``(protocol, budget)`` of ``arms``; the full cache answers once."""
+        ids = [np.asarray(self.tokenizer.encode(sample[part]), np.int32) for part in ("context", "question")]
+        table = self._oracle_table(sample, ids) if policy == "oracle" else None
+        shared = None
+        for protocol, budget in arms:
+            if policy == "full" and shared is not None:
+                yield {**shared, "protocol": protocol}
+                continue
+            row = self._answer(policy, sample, ids, protocol, budget, table)
+            shared = row
+            yield row
+
+    def _answer(self, policy, sample, ids, protocol, budget, table) -> dict:
+        from flsmem.harness.ruler.protocols import answer
+        from flsmem.harness.ruler.score import score
+
+        plan, length = self.plan, sample["length"]
+        tokens = _budget_tokens(budget, length)
+        config = _config(policy, tokens, protocol, length, plan.evict_every)
+        begin = time.perf_counter()
+        generated, info = answer(self.model, config, *ids, protocol=protocol, max_new=sample["max_new_tokens"],
+                                 eos_id=self.tokenizer.eos_id, table=table)
+        prediction = self.tokenizer.decode(np.asarray(generated, np.int32))
+        return {
+            "model": plan.model, **{k: sample[k] for k in ("task", "length", "index", "seed")},
+            "policy": policy, "protocol": protocol, "budget": budget, "evict_every": plan.evict_every,
+            "budget_tokens": tokens if policy != "full" else None, "prompt_tokens": sum(len(i) for i in ids),
+            "prediction": prediction, "answers": sample["answers"],
+            "score": score(sample["task"], prediction, sample["answers"]),
+            "generated_tokens": len(generated), "evictions": info["evictions"],
+            "seconds": round(time.perf_counter() - begin, 3),
+        }
+
+    def _oracle_table(self, sample, ids) -> np.ndarray:
+        from flsmem.harness.ruler.protocols import answer_attention
+
+        gold = np.asarray(self.tokenizer.encode(" " + ", ".join(sample["answers"]) + "."), np.int32)
+        return answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
+                                width=sample["length"] + MAX_NEW)
+
+
+def _budget_tokens(fraction: float, length: int) -> int:
+    return max(1, int(fraction * length))
+
+
+def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: int):
+    """The memory settings of ``policy`` at ``tokens`` items (ValueError when it
+    cannot hold its protected items)."""
+    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler.protocols import memory_config
+
+    return memory_config(make_policy(policy, tokens), tokens, protocol, length=length, evict_every=evict_every,
+                         max_new=MAX_NEW)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from flsmem.harness.evaluate import POLICY_NAMES
+
+    parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(catalog.MODELS)}, or a .gguf file")
+    parser.add_argument("--length", type=int, default=None, help="prompt length in the model's tokens (default 4096)")
+    parser.add_argument("--lengths", default=None, help="several prompt lengths, comma-separated (instead of --length)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated RULER tasks among {', '.join(TASKS)}")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES),
+                        help="comma-separated eviction policies (as in flsmem eval; the learned ones too)")
+    parser.add_argument("--budgets", default="1/8,1/4,1/2", help="fractions of the length kept, comma-separated")
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"comma-separated, among {', '.join(PROTOCOLS)}")
+    parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
+    parser.add_argument("--evict-every", type=int, default=16, help="items that arrive between two evictions")
+    parser.add_argument("--out", default=None,
+                        help="JSON-lines results, resumed if present (default results/ruler/MODEL.jsonl, "
+                             "MODEL-quick.jsonl with --quick); the report goes beside it (.md, .png)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 1 sample of niah_single_1, full and h2o at 1/4, every protocol")
+    parser.add_argument("--report", action="store_true", help="measure nothing: write the report from --out")
+
+
+def _names(option: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}; got {text!r}"
+                                   + (f", unknown {unknown}" if unknown else ""))
+    return names
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    found = []
+    for part in text.split(","):
+        try:
+            value = Fraction(part.strip())
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"--budgets must be fractions of the length like 1/8 or 0.25, got {part!r}") from None
+        require(0 < value <= 1, f"--budgets must lie in (0, 1], got {part!r}")
+        found.append(float(value))
+    return tuple(dict.fromkeys(found))
+
+
+def _lengths(args: argparse.Namespace) -> tuple[int, ...]:
+    require(args.length is None or args.lengths is None, "--length and --lengths: give one of them, not both")
+    if args.lengths is None:
+        return (positive_int("--length", 4096 if args.length is None else args.length),)
+    try:
+        lengths = tuple(int(v) for v in args.lengths.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--lengths must be comma-separated ints, got {args.lengths!r}") from None
+    require(lengths and min(lengths) >= 1, f"--lengths must be positive ints, got {args.lengths!r}")
+    return tuple(dict.fromkeys(lengths))
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
+    """The plan and output file of ``flsmem ruler``'s arguments.
+
+    Raises:
+      ValueError: a bad argument, named first in the message.
+    """
+    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+
+    plan = Plan(
+        model=catalog.check(args.model), lengths=_lengths(args), tasks=_names("--tasks", args.tasks, TASKS),
+        policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES),
+        budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
+        samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
+        evict_every=positive_int("--evict-every", args.evict_every))
+    for length in plan.lengths:
+        for policy in plan.policies:
+            for budget in plan.budgets:
+                try:
+                    _config(policy, _budget_tokens(budget, length), plan.protocols[0], length, plan.evict_every)
+                except ValueError as error:
+                    raise ValueError(f"--budgets {budget:g} of --length {length} is too small for {policy}: "
+                                     f"{error}") from None
+    stem = Path(plan.model).stem + ("-quick" if args.quick else "")
+    out = Path(args.out) if args.out else Path("results") / "ruler" / f"{stem}.jsonl"
+    require(not out.is_dir(), f"--out must be a file, got the folder {str(out)!r}")
+    require(not any(folder.is_file() for folder in out.parents),
+            f"--out must be a file in a folder, but a file stands in its path {str(out)!r}")
+    require(not args.report or out.is_file(), f"--report needs the results in --out, but {str(out)!r} does not exist")
+    return plan, out
+
+
+def run_cli(args: argparse.Namespace) -> Path:
+    """``flsmem ruler``: measure (unless ``--report``), then write the report; returns
+    the report's path."""
+    if args.quick:
+        vars(args).update(QUICK)
+    with checking(COMMAND):
+        plan, out = check_arguments(args)
+        if not args.report:
+            tokenizer = catalog.load_tokenizer(plan.model)
+            # A length too short for a task is an argument error, found before the model loads.
+            for length in plan.lengths:
+                for task in plan.tasks:
+                    try:
+                        make_sample(task, length, 0, tokenizer, plan.seed)
+                    except ValueError as error:
+                        raise ValueError(f"--length {length}: {error}") from None
+    if not args.report:
+        begin = time.perf_counter()
+        written = run(plan, out, tokenizer=tokenizer)
+        print(f"{written} answers in {time.perf_counter() - begin:.0f} s, appended to {out}", flush=True)
+    markdown = report.write(out)
+    print(markdown.read_text())
+    return markdown

@@ -1,0 +1,183 @@
+"""RULER in-tree: the generated tasks, the scores, the runner and the command."""
+
+import collections
+import json
+import re
+
+import pytest
+
+from flsmem.harness.ruler import score, tasks
+from flsmem.models.data import ByteTokenizer
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: a tokenizer unlike the byte one."""
+
+    def encode(self, text):
+        return [len(word) for word in text.split()]
+
+
+# (tokenizer, length): long enough for every task's fixed part.
+TOKENIZERS = {"bytes": (ByteTokenizer(), 2048), "words": (WordTokenizer(), 512)}
+# The most tokens one haystack unit adds (a distractor needle with UUIDs, in bytes).
+UNIT = {"bytes": 128, "words": 40}
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_samples_are_deterministic_and_differ_by_index(task):
+    tokenizer, length = TOKENIZERS["words"]
+    first = tasks.make_sample(task, length, 0, tokenizer, seed=3)
+    assert first == tasks.make_sample(task, length, 0, tokenizer, seed=3)
+    assert first["context"] != tasks.make_sample(task, length, 1, tokenizer, seed=3)["context"]
+    assert first["answers"] != tasks.make_sample(task, length, 0, tokenizer, seed=4)["answers"]
+    assert first["max_new_tokens"] == tasks.MAX_NEW_TOKENS[task]
+
+
+@pytest.mark.parametrize("kind", list(TOKENIZERS))
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_the_prompt_fits_the_length_and_nearly_fills_it(task, kind):
+    tokenizer, length = TOKENIZERS[kind]
+    for index in range(2):
+        sample = tasks.make_sample(task, length, index, tokenizer)
+        used = len(tokenizer.encode(sample["context"])) + len(tokenizer.encode(sample["question"]))
+        assert length - UNIT[kind] <= used <= length, (task, index, used)
+
+
+def _resolve(context):
+    """Each variable of the context's assignments mapped to the number it ends up holding."""
+    assigned = dict(re.findall(r"Let ([A-Z]{5}) = (\w+)\.", context))
+    value = lambda name: assigned[name] if assigned[name].isdigit() else value(assigned[name])  # noqa: E731
+    return {name: value(name) for name in assigned}
+
+
+def _counts(task, context):
+    """How often each listed word (cwe: the numbered entries, the example's too) or
+    coded word (fwe: the text after the instructions) occurs in the context."""
+    if task == "cwe":
+        return collections.Counter(re.findall(r"\d+\. ([a-z]+)", context))
+    return collections.Counter(context.split("\n", 1)[1].split())
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_every_answer_is_really_in_its_context(task):
+    tokenizer, length = TOKENIZERS["bytes"]
+    for index in range(3):
+        sample = tasks.make_sample(task, length, index, tokenizer)
+        context, answers = sample["context"], sample["answers"]
+        if task.startswith("niah"):
+            for value in answers:
+                needle = re.search(rf"The hidden \w+ for (\S+) is {re.escape(value)}\.", context)
+                assert needle and needle.group(1) in sample["question"]
+        elif task == "vt":
+            value = re.search(r"value (\d+)", sample["question"]).group(1)
+            held = _resolve(context)
+            assert sorted(answers) == sorted(name for name in held if held[name] == value)
+        else:
+            counts = _counts(task, context)
+            rest = [count for word, count in counts.items() if word not in answers and word != "..."]
+            assert min(counts[word] for word in answers) > max(rest), (task, index)
+            assert len(answers) == (10 if task == "cwe" else 3)
+
+
+def test_a_length_too_short_for_the_task_is_refused():
+    with pytest.raises(ValueError, match="too short for cwe"):
+        tasks.make_sample("cwe", 64, 0, ByteTokenizer())
+    with pytest.raises(ValueError, match="task must be one of"):
+        tasks.make_sample("qa_1", 1024, 0, ByteTokenizer())
+
+
+def test_scores_follow_ruler():
+    answers = ["1234567", "ABCDE"]
+    assert score.score("niah_multivalue", "The values are 1234567 and abcde.", answers) == 1.0
+    assert score.score("niah_multivalue", "", answers) == 0.0
+    assert score.score("niah_multivalue", " 1234567, then nothing", answers) == 0.5
+    assert score.string_match_part("only abcde", answers) == 1.0
+    assert score.string_match_part("none", answers) == 0.0
+    for task in tasks.TASKS:
+        sample = tasks.make_sample(task, 512, 0, WordTokenizer())
+        gold = " " + ", ".join(sample["answers"]) + "."
+        assert score.score(task, gold, sample["answers"]) == 1.0
+        assert score.score(task, "", sample["answers"]) == 0.0
+
+
+def _row(task, policy, protocol, budget, index, value):
+    return {"model": "m", "task": task, "length": 256, "index": index, "seed": 0, "policy": policy,
+            "protocol": protocol, "budget": budget, "evict_every": 16, "score": value}
+
+
+def test_the_report_marks_tasks_beyond_the_model_and_leaves_them_out(tmp_path):
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(4):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("cwe", "full", "stream", 1.0, index, 0.1),
+                 _row("vt", "h2o", "stream", 0.25, index, float(index % 2)),
+                 _row("cwe", "h2o", "stream", 0.25, index, 0.0)]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"cut short')
+    text = report.write(path).read_text()
+    assert "| policy | budget | vt | cwe † | average |" in text
+    # h2o: vt half right, cwe left out of the average.
+    assert "| h2o | 0.25 | 50 [0–100] | 0 [0–0] | 50 [0–100] |" in text
+    assert "| full | full | 100 [100–100] | 10 [10–10] | 100 [100–100] |" in text
+    assert (tmp_path / "m.png").is_file()
+
+
+def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypatch):
+    from flsmem.harness.ruler import protocols, run
+    from flsmem.models import catalog
+
+    # Prefill in pieces of evict_every: one program fewer to compile.
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 16)
+    plan = run.Plan(model="tiny", lengths=(512,), tasks=("niah_single_1",), policies=("h2o",), budgets=(0.25,),
+                    protocols=protocols.PROTOCOLS, samples=1)
+    out = tmp_path / "tiny.jsonl"
+    assert run.run(plan, out, progress=False) == 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["protocol"] for r in rows) == sorted(protocols.PROTOCOLS)
+    for r in rows:
+        assert r["budget_tokens"] == 128 and r["evictions"] > 0 and 0 < r["generated_tokens"] <= 128
+        assert r["prompt_tokens"] <= 512 and r["score"] in (0.0, 1.0)
+    monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a resumed run with nothing to do loads no model"))
+    assert run.run(plan, out, progress=False) == 0
+
+
+BAD_ARGUMENTS = {
+    "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),
+    "unknown policy": (["--policies", "h2o,lru"], "--policies"),
+    "unknown protocol": (["--protocols", "prefill"], "--protocols"),
+    "budget zero": (["--budgets", "0,1/4"], "--budgets"),
+    "budget above one": (["--budgets", "2"], "--budgets"),
+    "budget not a number": (["--budgets", "half"], "--budgets"),
+    "length zero": (["--length", "0"], "--length"),
+    "length and lengths": (["--length", "512", "--lengths", "256,512"], "--length and --lengths"),
+    "lengths not ints": (["--lengths", "256,big"], "--lengths"),
+    "no samples": (["--samples", "0"], "--samples"),
+    "negative seed": (["--seed", "-1"], "--seed"),
+    "evict_every zero": (["--evict-every", "0"], "--evict-every"),
+    "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
+    "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
+    "out is a folder": (["--out", "{tmp}"], "--out"),
+    "out under a file": (["--out", "{tmp}/file/r.jsonl"], "--out"),
+    "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, monkeypatch):
+    from flsmem.harness.cli import main
+    from flsmem.models import catalog
+
+    monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a bad argument must stop before a model loads"))
+    (tmp_path / "file").write_text("not a folder")
+    before = sorted(tmp_path.rglob("*"))
+    argv, name = BAD_ARGUMENTS[case]
+    argv = ["ruler", "--model", "tiny", "--out", str(tmp_path / "r.jsonl")] + [a.replace("{tmp}", str(tmp_path))
+                                                                               for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"flsmem ruler: error: {name.replace('{tmp}', str(tmp_path))}"), err
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
