@@ -1,9 +1,9 @@
 """Where the bounded memory meets a RULER prompt: three protocols, then greedy decoding.
 
-Everything here touches the decoder and its memories, and nothing else does, so a change
-of the memories API (a composite of evictable and sliding-window memories, say) is
-adapted in this one module. A prompt is a context and a question (token ids); the
-memory keeps ``budget`` items per layer and KV head:
+Everything here touches the decoder and its memories (:class:`~flsmem.models.decoder.Memories`:
+the global layers' evictable memories, and the local layers' windows, which keep their
+window whatever the policy), and nothing else does. A prompt is a context and a
+question (token ids); the memory keeps ``budget`` items per global layer and KV head:
 
 * ``question-agnostic``: the context is prefilled with the whole of it in memory, its
   attention folded as evidence (``flsmem.observe``, chunk by chunk) and the memory cut
@@ -105,10 +105,10 @@ def answer(
     if cut:
         # Before the question is known, the context's last prediction has no target.
         memories, logits = feed(memories, 0, cut, (max(PREFILL_CHUNK, step), step, 1), "observe", known=cut)
-        memories = _compress(memories, table)
+        memories = _compress(memories)
     memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
     tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
-    return tokens, {"evictions": int(jnp.sum(memories.stats.evictions))}
+    return tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
 
 
 def _decode(feed, memories, logits, start: int, max_new: int, eos_id: int | None):
@@ -126,13 +126,10 @@ def _decode(feed, memories, logits, start: int, max_new: int, eos_id: int | None
 
 
 @functools.partial(jax.jit, donate_argnames=("memories",))
-def _compress(memories, table):
-    """``flsmem.compress`` of a memory whose prefill is folded already: no more
+def _compress(memories):
+    """``flsmem.compress`` of memories whose prefill is folded already: no more
     queries, so it commits the scores and cuts every row to the budget."""
-    depth, batch, kv_heads, slots = memories.valid.shape
-    none = jnp.zeros((depth, batch, kv_heads, 0, slots), jnp.float32)
-    future = None if table is None else none
-    return flsmem.compress(memories, none, jnp.zeros((batch, 0), jnp.float32), future, budget=memories.config.budget)
+    return memories.compress(budget=memories.evictable.config.budget)
 
 
 def _pieces(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -174,20 +171,9 @@ def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold):
     logp = jax.nn.log_softmax(logits, axis=-1)
     hit = (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)
     weight = jnp.where(targets >= 0, hit, jnp.exp(jnp.max(logp, axis=-1)))
-    future = _future(memories, table, tokens.shape[1])
-    if fold == "observe":
-        memories = _observe_layers(memories, attention, weight, future)
-    else:
-        memories = flsmem.update_layers(memories, attention, weight, future)
-    return memories, logits[:, -1]
-
-
-def _observe_layers(memories, attention, weight, future):
-    """``flsmem.observe`` in every layer of stacked memories (no eviction)."""
-    payload = memories.payload  # observing reads no keys or values: keep them out of the loop
-    bare = jax.lax.map(lambda x: flsmem.observe(x[0], x[1], weight, x[2]),
-                       (memories.replace(payload=None), attention, future))
-    return bare.replace(payload=payload)
+    future = _future(memories.evictable, table, tokens.shape[1])
+    fold = memories.observe if fold == "observe" else memories.fold
+    return fold(attention, weight, future), logits[:, -1]
 
 
 def _future(memories, table, queries: int):
@@ -228,8 +214,8 @@ def answer_attention(model: Decoder, context: np.ndarray, question: np.ndarray, 
         memories, paid = _attention_paid(graphdef, params, memories, jnp.asarray(prompt[begin:begin + size])[None],
                                          begin)
         total = total + paid
-    position = np.asarray(memories.position)
-    slot = np.where(np.asarray(memories.valid) & (position < width), position, width)
+    position = np.asarray(memories.evictable.position)
+    slot = np.where(np.asarray(memories.evictable.valid) & (position < width), position, width)
     table = np.zeros(position.shape[:3] + (width + 1,), np.float32)
     np.put_along_axis(table, slot, np.asarray(total, np.float32), axis=-1)
     return table[..., :width]
@@ -242,6 +228,6 @@ def _attention_paid(graphdef, params, memories, tokens, start):
     model = nnx.merge(graphdef, params)
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     _, memories, attention = model(tokens, positions, memories)
-    earlier = memories.position[:, :, :, None, :] < positions[None, :, None, :, None]
+    earlier = memories.evictable.position[:, :, :, None, :] < positions[None, :, None, :, None]
     paid = jnp.sum(jnp.where(earlier, attention, 0.0), axis=3)
-    return flsmem.update_layers(memories, attention), paid
+    return memories.fold(attention), paid

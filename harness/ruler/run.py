@@ -166,6 +166,8 @@ class _Answerer:
     def rows(self, policy: str, sample: dict, arms: list[tuple[str, float]]) -> Iterator[dict]:
         """A row per ``(protocol, budget)`` of ``arms``; the full cache answers once."""
         ids = [np.asarray(self.tokenizer.encode(sample[part]), np.int32) for part in ("context", "question")]
+        if self.tokenizer.add_bos:  # Gemma: BOS first, one token past the sample's length
+            ids[0] = np.concatenate([[self.tokenizer.bos_id], ids[0]]).astype(np.int32)
         table = self._oracle_table(sample, ids) if policy == "oracle" else None
         shared = None
         for protocol, budget in arms:
@@ -182,7 +184,7 @@ class _Answerer:
 
         plan, length = self.plan, sample["length"]
         tokens = _budget_tokens(budget, length)
-        config = _config(policy, tokens, protocol, length, plan.evict_every)
+        config = _config(policy, tokens, protocol, length + 1, plan.evict_every)
         begin = time.perf_counter()
         generated, info = answer(self.model, config, *ids, protocol=protocol, max_new=sample["max_new_tokens"],
                                  eos_id=self.tokenizer.eos_id, table=table)
@@ -202,7 +204,7 @@ class _Answerer:
 
         gold = np.asarray(self.tokenizer.encode(" " + ", ".join(sample["answers"]) + "."), np.int32)
         return answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
-                                width=sample["length"] + MAX_NEW)
+                                width=sample["length"] + 1 + MAX_NEW)
 
 
 def _budget_tokens(fraction: float, length: int) -> int:
