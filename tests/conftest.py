@@ -13,3 +13,4 @@ def _free_compiled_programs():
     compiler late in the suite)."""
     yield
     jax.clear_caches()
+

@@ -14,20 +14,12 @@ from flax import nnx
 import flsmem
 from flsmem.models import decoder, gemma3, gguf
 from flsmem.models.data import load_book
-
-
-def _require_real():
-    pytest.importorskip("gguf", reason='needs "gguf": pip install -e ".[real]"')
-    pytest.importorskip("tokenizers", reason='needs "tokenizers": pip install -e ".[real]"')
-    try:
-        return gemma3.gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+from real_models import real_model_file
 
 
 @pytest.fixture(scope="module")
 def path():
-    return _require_real()
+    return real_model_file(gemma3.gguf_path)
 
 
 @pytest.fixture(scope="module")

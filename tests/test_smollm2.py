@@ -15,17 +15,13 @@ from flax import nnx
 
 import flsmem
 from flsmem.models import decoder, gguf, smollm2
+from real_models import real_model_file
 
 PERSUASION = pathlib.Path(__file__).resolve().parents[1] / "data" / "austen" / "persuasion.txt"
 
 
 def _require_real():
-    pytest.importorskip("gguf", reason='needs "gguf": pip install -e ".[real]"')
-    pytest.importorskip("tokenizers", reason='needs "tokenizers": pip install -e ".[real]"')
-    try:
-        return smollm2.gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return real_model_file(smollm2.gguf_path)
 
 
 @pytest.fixture(scope="module")
