@@ -14,6 +14,8 @@ carries the stack and writes each layer's keys and values in place.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -21,6 +23,7 @@ from flsmem import validate
 from flsmem.evict import evict
 from flsmem.layers import is_stacked
 from flsmem.observe import observe, reduce_query_heads
+from flsmem.policies.budgets import layer_budgets
 from flsmem.smooth import smooth
 from flsmem.state import MemoryState, visible
 from flsmem.typing import Array, Bool, Float, Int
@@ -88,6 +91,8 @@ def attend(
         seen = seen & (gap < validate.positive_int("window", window))
     keys, values = (memory.payload[name] if layer is None else memory.payload[name][layer] for name in ("k", "v"))
     grouped = q if jnp.ndim(q) == 5 else q.reshape(b, t, kv_heads, -1, head_dim)
+    if memory.config.policy.fold_queries is not None:
+        memory = _fold_queries(memory, grouped, position, layer)
     logits = jnp.einsum("BTKGD,BKSD->BKGTS", grouped, keys) * (head_dim ** -0.5 if scale is None else scale)
     probs = jax.nn.softmax(jnp.where(seen[:, :, None], logits, -jnp.inf), axis=-1)
     out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, values).reshape(q.shape)
@@ -158,6 +163,19 @@ def _place_layer(memories, kv, position, layer, placement):
     return memories, (target, seen)
 
 
+def _fold_queries(memory, grouped, position, layer):
+    """The policy's state with the step's queries folded in (ExpectedAttention's
+    statistics), in this layer's memory."""
+    policy = memory.config.policy
+    queries = jnp.moveaxis(grouped, 1, 3)  # [B, K, G, T, D]
+    position = jnp.asarray(position)
+    if layer is None:
+        return memory.replace(aux=policy.fold_queries(policy, memory.aux, queries, position))
+    mine = jax.tree.map(lambda a: a[layer], memory.aux)
+    new = policy.fold_queries(policy, mine, queries, position)
+    return memory.replace(aux=jax.tree.map(lambda a, n: a.at[layer].set(n), memory.aux, new))
+
+
 def _fold(memory, evidence, correctness, layer):
     if layer is None:
         return update(memory, evidence, correctness)
@@ -173,7 +191,7 @@ def compress(
     correctness: Float[Array, "B T"] | None = None,
     future: Float[Array, "*L B K T S"] | None = None,
     *,
-    budget: int | None = None,
+    budget: int | Sequence[int] | None = None,
 ) -> MemoryState:
     """After a prefill, fold its evidence and cut the memory to ``budget`` at once.
 
@@ -190,12 +208,38 @@ def compress(
         or None when it was folded already.
       correctness: ``[B, T]`` weights of the prefix's predictions (1 if None).
       future: like ``evidence``, for the oracle; else None.
-      budget: items each row keeps (the config's budget if None).
+      budget: items each row keeps (the config's budget if None); for stacked
+        memories also one budget per layer (a sequence, see
+        :func:`flsmem.policies.layer_budgets`). A policy with a layer schedule
+        (:func:`flsmem.policies.pyramid`) spreads an int budget over the layers by
+        it, the same total, no layer above the slots it has.
     """
-    def one(args):
-        mem, att, fut = args
-        return evict(smooth(mem if att is None else observe(mem, att, correctness, fut)), budget=budget)
+    stacked = is_stacked(memory)
+    cuts = _layer_cuts(memory, budget) if stacked else None
 
-    if not is_stacked(memory):
-        return one((memory, evidence, future))
-    return jax.lax.map(one, (memory, evidence, future))
+    def one(args):
+        mem, att, fut, cut = args
+        return evict(smooth(mem if att is None else observe(mem, att, correctness, fut)), budget=cut)
+
+    if isinstance(budget, Sequence) and not stacked:
+        validate.fail("budget: one budget per layer needs memories stacked over layers; give an int")
+    if cuts is None:
+        return one((memory, evidence, future, budget)) if not stacked else \
+            jax.lax.map(lambda args: one(args + (budget,)), (memory, evidence, future))
+    return jax.lax.map(one, (memory, evidence, future, jnp.asarray(cuts, jnp.int32)))
+
+
+def _layer_cuts(memory: MemoryState, budget) -> tuple[int, ...] | None:
+    """Each layer's budget for :func:`compress`, or None for the same one everywhere."""
+    layers, policy = memory.step.shape[0], memory.config.policy
+    protected = policy.sinks + policy.protected_age
+    if isinstance(budget, Sequence):
+        cuts = tuple(validate.nonneg_int("budget", b) for b in budget)
+        validate.require(len(cuts) == layers and min(cuts) >= protected,
+                         f"budget per layer must give {layers} ints, each >= the protected items ({protected}), "
+                         f"got {list(cuts)}")
+        return cuts
+    if policy.layer_schedule is None:
+        return None
+    mean = memory.config.budget if budget is None else budget
+    return layer_budgets(mean, layers, policy.layer_schedule, minimum=protected, maximum=memory.valid.shape[-1])

@@ -110,7 +110,9 @@ def state_checks(state: MemoryState, *, after_update: bool = False) -> None:
     * present slots have finite scores and valid slots finite evidence;
     * the counters in ``stats`` are >= 0;
     * with ``after_update``, for a policy that evicts: every row holds fewer present
-      items than its high-water mark, ``budget + evict_every`` (eviction ran when due).
+      items than its high-water mark, ``budget + evict_every`` (eviction ran when due);
+      with head-adaptive budgets, each head fewer than its largest share plus
+      ``evict_every`` and each sequence's K heads fewer than ``K`` high-water marks.
     """
     check_state(state)
     config = state.config
@@ -128,8 +130,15 @@ def state_checks(state: MemoryState, *, after_update: bool = False) -> None:
         _check_rows(_rows(getattr(state.stats, field.name) >= 0), f"stats.{field.name} is negative")
     if after_update and config.policy.evicts:
         n_present = jnp.sum(present, axis=-1)
-        _check_rows(_rows(n_present < config.high_water),
-                    f"a row holds budget + evict_every = {config.high_water} present items after update")
+        # A head with an adaptive budget may keep up to its share (see MemoryConfig).
+        bound = config.head_share + config.evict_every
+        _check_rows(_rows(n_present < bound),
+                    f"a row holds its largest share + evict_every = {bound} present items after update")
+        if config.policy.head_budget is not None:
+            heads = n_present.shape[-1]
+            _check_rows(jnp.sum(n_present, axis=-1) < heads * config.high_water,
+                        f"a sequence's {heads} heads hold K * (budget + evict_every) = "
+                        f"{heads * config.high_water} present items after update")
 
 
 def _checked_write(state, payload, position, mask=None):

@@ -6,6 +6,7 @@ import dataclasses
 
 from flsmem import validate
 from flsmem.policies import Policy
+from flsmem.policies.budgets import head_share
 
 __all__ = ["MemoryConfig", "IMPLEMENTATIONS"]
 
@@ -62,12 +63,22 @@ class MemoryConfig:
 
     @property
     def capacity(self) -> int:
-        """Slots per row: the budget plus room for what arrives between evictions."""
-        return self.budget + self.evict_every + self.max_chunk - 1
+        """Slots per row: the most a row keeps after an eviction (``budget``, or
+        :attr:`head_share` for head-adaptive budgets) plus room for what arrives
+        between evictions."""
+        return self.head_share + self.evict_every + self.max_chunk - 1
+
+    @property
+    def head_share(self) -> int:
+        """Most items one row (KV head) keeps after an eviction: ``budget``, or for a
+        policy with head-adaptive budgets (:func:`flsmem.policies.adakv`)
+        ``ceil(ceiling * budget)``; a sequence's heads keep ``K * budget`` together."""
+        return head_share(self.policy, self.budget)
 
     @property
     def high_water(self) -> int:
-        """Present items at which a row is evicted back to ``budget``."""
+        """Present items at which a row is evicted back to ``budget`` (for head-adaptive
+        budgets, ``K * high_water`` over a sequence's K heads)."""
         return self.budget + self.evict_every
 
     def replace(self, **changes) -> "MemoryConfig":

@@ -9,6 +9,8 @@ writing it one item per step keep the same items.
 
 from __future__ import annotations
 
+import jax
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -50,12 +52,21 @@ def is_due(state: MemoryState, budget: int | None = None) -> Bool[Array, "B K"]:
     those holding ``config.high_water`` present items; else those holding more than
     ``budget``. Always False for a policy that never evicts.
 
+    For head-adaptive budgets a sequence's K heads are due together, when they hold
+    ``K`` times that many together.
+
     Returns:
       ``[B, K]`` bool.
     """
     n_present = jnp.sum(present(state), axis=-1, dtype=jnp.int32)
     if not state.config.policy.evicts:
         return jnp.zeros(n_present.shape, jnp.bool_)
+    if state.config.policy.head_budget is not None:
+        # The heads of a sequence share one budget: they are due together.
+        heads = n_present.shape[-1]
+        total = jnp.sum(n_present, axis=-1, keepdims=True)
+        due = total >= heads * state.config.high_water if budget is None else total > heads * budget
+        return jnp.broadcast_to(due, n_present.shape)
     if budget is None:
         return n_present >= state.config.high_water
     return n_present > budget
@@ -66,7 +77,9 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
 
     With ``budget=None`` a row is evicted only when due, that is when it holds
     ``config.high_water = budget + evict_every`` present items, and then down to
-    ``config.budget``. With an explicit ``budget`` every row holding more is evicted
+    ``config.budget``. For a policy with head-adaptive budgets
+    (:func:`flsmem.policies.adakv`) a sequence's K heads are evicted together, when
+    they hold ``K * high_water`` together, down to ``K * budget`` shared by score. With an explicit ``budget`` every row holding more is evicted
     down to it now (prefill compression). Protected items are always kept and count
     inside the budget; written items whose query has not come yet are kept and not
     counted. The kept set is the top-``budget`` priority per row, ties to the newer
@@ -76,14 +89,15 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
 
     Args:
       state: the memory, after ``smooth``.
-      budget: items to keep per row now; None follows the schedule.
+      budget: items to keep per row now (an int, or an int32 scalar traced inside a
+        map over layers, checked by its caller); None follows the schedule.
 
     Returns:
       The memory with the evicted slots freed (``valid`` False, ``position`` -1).
     """
     check_state(state)
     config = state.config
-    if budget is not None:
+    if budget is not None and not _is_traced_count(budget):
         protected_count = config.policy.sinks + config.policy.protected_age
         if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= protected_count):
             raise ValueError(
@@ -98,16 +112,26 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
     target = config.budget if budget is None else budget
     due = is_due(state, budget)
 
-    def run(state: MemoryState) -> MemoryState:
-        keep = topk_mask(
-            priority(state).reshape(b * k, s),
-            (target + n_waiting).reshape(b * k),
-            tiebreak=state.birth.reshape(b * k, s),
+    def top(scores, count, tiebreak, max_dropped=None):
+        """The top-``count`` mask of each row of ``scores [..., N]``."""
+        n = scores.shape[-1]
+        return topk_mask(
+            scores.reshape(-1, n), jnp.reshape(count, -1),
+            tiebreak=tiebreak.reshape(-1, n),
             implementation=config.implementation,
             interpret=config.interpret,
+            max_dropped=max_dropped,
+        ).reshape(scores.shape)
+
+    def run(state: MemoryState) -> MemoryState:
+        rank = priority(state)
+        head_budget = config.policy.head_budget
+        if head_budget is None:
             # On schedule a row keeps at least `budget` of its `capacity` slots.
-            max_dropped=config.capacity - config.budget if budget is None else None,
-        ).reshape(b, k, s)
+            keep = top(rank, target + n_waiting, state.birth,
+                       config.capacity - config.budget if budget is None else None)
+        else:
+            keep = _shared_by_heads(rank, state.birth, target, n_waiting, head_budget, top)
         evicted = state.valid & ~keep & due[..., None]
         ages = age(state).astype(jnp.float32)
         stats = state.stats
@@ -125,3 +149,23 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         )
 
     return lax.cond(jnp.any(due), run, lambda st: st, state)
+
+
+def _is_traced_count(budget) -> bool:
+    return isinstance(budget, jax.Array) and jnp.ndim(budget) == 0 and jnp.issubdtype(budget.dtype, jnp.integer)
+
+
+def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top):
+    """AdaKV's selection: each sequence keeps the ``K * target`` highest priorities over
+    its K heads, after each head's top ``int(floor * target)`` are made safe and what
+    lies beyond its top ``ceil(ceiling * target)`` is excluded. Items still to arrive
+    are kept on top, in their own head."""
+    b, k, s = rank.shape
+    held = rank > -jnp.inf  # a head with fewer items than its floor must not spend the rest on free slots
+    floor = jnp.floor(head_budget.floor * target).astype(jnp.int32)
+    ceiling = jnp.ceil(head_budget.ceiling * target).astype(jnp.int32)
+    safe = top(rank, floor + n_waiting, birth) & held
+    allowed = top(rank, ceiling + n_waiting, birth)
+    joint = jnp.where(safe, jnp.inf, jnp.where(allowed, rank, -jnp.inf))
+    count = k * target + jnp.sum(n_waiting, axis=-1)
+    return top(joint.reshape(b, k * s), count, birth.reshape(b, k * s)).reshape(b, k, s)

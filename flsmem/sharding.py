@@ -12,7 +12,8 @@ slots ``S`` (which eviction ranks) whole on each device. Two ways to run sharded
   ``write`` and ``evict`` and, for the ``learned`` policy, its training step: once
   per horizon the snapshot's features are gathered to every device, which each run
   the gradient over all rows as one device would (a float sum split over devices
-  would round differently). No float is summed across devices otherwise: the
+  would round differently). Head-adaptive budgets (``adakv``) rank a sequence's KV
+  heads together, so with heads split over devices each eviction gathers them. No float is summed across devices otherwise: the
   state's float counters are kept per (row, head). Inside a ``lax.scan`` of your
   own, :func:`constrain` keeps the carried state in place.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,7 +38,7 @@ from flax import nnx
 import flsmem
 from flsmem import estimator as E
 from flsmem import policies as P
-from flsmem.models.decoder import Decoder, init_memories
+from flsmem.models.decoder import Decoder, DecoderConfig, init_memories
 from flsmem.oracle_future import discounted_future
 
 __all__ = [
@@ -46,6 +47,9 @@ __all__ = [
     "POLICY_NAMES",
     "learned_policy",
     "make_policy",
+    "is_policy_name",
+    "PEER_NAMES",
+    "BUDGET_WRAPPERS",
     "evaluate_nll",
     "evaluate_windows",
     "future_attention",
@@ -103,6 +107,11 @@ POLICY_NAMES = (
 # and learning from a fresh network. Not in the default comparison: they need the
 # pretrained checkpoint (checkpoints/estimator).
 LEARNED_NAMES = ("learned", "learned_offline", "learned_scratch")
+# kvpress's peers that are not in the default comparison: ExpectedAttention (built for
+# the model at hand), and the budget wrappers that take any of the names, "adakv(rmm)".
+PEER_NAMES = ("expected_attention",)
+BUDGET_WRAPPERS = ("adakv", "pyramid")
+ADAKV_FLOOR = 0.2
 ESTIMATOR_DIR = Path(str(resources.files("flsmem.checkpoints"))) / "estimator"
 
 
@@ -120,24 +129,55 @@ def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
 ONLINE_LEARNING_RATE = 1e-4
 
 
-def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = None) -> P.Policy:
+def is_policy_name(name: str) -> bool:
+    """Whether :func:`make_policy` knows ``name``: one of :data:`POLICY_NAMES`,
+    :data:`LEARNED_NAMES` or :data:`PEER_NAMES`, or one of those wrapped by
+    :data:`BUDGET_WRAPPERS` (``adakv(h2o)``, ``pyramid(snapkv)``)."""
+    wrapped = re.fullmatch(r"(\w+)\((.+)\)", name)
+    if wrapped:
+        return wrapped.group(1) in BUDGET_WRAPPERS and is_policy_name(wrapped.group(2))
+    return name in POLICY_NAMES + LEARNED_NAMES + PEER_NAMES
+
+
+def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = None,
+                model: DecoderConfig | None = None) -> P.Policy:
     """The policy ``name`` with protection scaled to the budget.
 
     ``estimator`` is the checkpoint directory of the learned variants (default: the
-    shipped one, :data:`ESTIMATOR_DIR`).
+    shipped one, :data:`ESTIMATOR_DIR`); ``model`` is the decoder's configuration, which
+    ``expected_attention`` needs (its attention shape and RoPE) and ``adakv`` reads for
+    its number of KV heads.
 
     Accumulating policies keep a recent window of half the budget, as H2O's paper does;
     ``rmm`` gets the same window so that its only difference from ``h2o`` is the
     correctness weighting, and so do the oracle and the learned estimator (which has no
-    commit lag); lags are capped at half the budget.
+    commit lag); lags are capped at half the budget. ``expected_attention`` protects
+    four sinks and no recent window, as kvpress does. ``adakv(name)`` shares each
+    sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that
+    never binds (``K - 0.2 (K - 1)``); ``pyramid(name)`` spreads the budget over the
+    layers when the prefix is compressed.
     """
+    wrapped = re.fullmatch(r"(\w+)\((.+)\)", name)
+    if wrapped and wrapped.group(1) in BUDGET_WRAPPERS:
+        inner = make_policy(wrapped.group(2), budget, lag, estimator, model)
+        if wrapped.group(1) == "pyramid":
+            return P.pyramid(inner)
+        heads = model.kv_heads if model is not None else 2
+        return P.adakv(inner, floor=ADAKV_FLOOR, ceiling=max(1.0, heads - ADAKV_FLOOR * (heads - 1)))
+    if name == "expected_attention":
+        if model is None:
+            raise ValueError("expected_attention needs the model's configuration (model=...) for its "
+                             "attention shape and RoPE")
+        return P.expected_attention(head_dim=model.head_dim, group=model.group, rope_theta=model.rope_theta,
+                                    rope_factors=model.rope_factors, sinks=min(4, budget))
     half = budget // 2
     lag = min(lag, half)
     if name in LEARNED_NAMES:
         # Decides at H = 0 (no commit lag) behind the same recent window as h2o and rmm.
         return learned_policy(name, str(estimator or ESTIMATOR_DIR)).replace(recent=half)
     if name not in POLICY_NAMES:
-        raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES}, got {name!r}")
+        raise ValueError(f"policy must be one of {POLICY_NAMES + LEARNED_NAMES + PEER_NAMES}, or one of those "
+                         f"wrapped by {', '.join(BUDGET_WRAPPERS)} (adakv(h2o)), got {name!r}")
     # Keywords of each factory of flsmem.policies.REGISTRY, scaled to the budget.
     settings = {
         "streaming_llm": {"sinks": min(4, budget)},
@@ -348,7 +388,7 @@ def run_comparison(
     def measure(name: str, budget: int) -> Row:
         if progress:
             progress(f"{name} @ {budget}")
-        policy = make_policy(name, budget)
+        policy = make_policy(name, budget, model=model.cfg)
         nll, stats = evaluate_nll(model, windows, policy, budget, chunk=chunk, correctness=correctness,
                                   prefill=prefill, futures=futures)
         if on_stats:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from fractions import Fraction
@@ -68,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
 
 
+def _policy_list(text: str) -> list[str]:
+    """Comma-separated names, where commas inside parentheses do not split."""
+    return [p.strip() for p in re.split(r",(?![^()]*\))", text) if p.strip()]
+
+
 def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
     """``(policies, budgets, prefill)`` from ``flsmem eval``'s arguments (``prefill``: the
     tokens prefilled in full under ``--protocol prefill``, a multiple of ``--evict-every``).
@@ -75,7 +81,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import CORRECTNESS, LEARNED_NAMES, POLICY_NAMES
+    from flsmem.harness.evaluate import BUDGET_WRAPPERS, CORRECTNESS, LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, is_policy_name
     from flsmem.models.data import books
 
     catalog.check(args.model)
@@ -87,10 +93,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     context, every = positive_int("--context", args.context), positive_int("--evict-every", args.evict_every)
     require(context % every == 0, f"--context must be a multiple of --evict-every ({every}), got {context}")
     positive_int("--windows", args.windows)
-    known = POLICY_NAMES + LEARNED_NAMES
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in known]
-    require(policies and not unknown, f"--policies must be comma-separated names among {', '.join(known)}; "
+    known = POLICY_NAMES + LEARNED_NAMES + PEER_NAMES
+    policies = _policy_list(args.policies)
+    unknown = [p for p in policies if not is_policy_name(p)]
+    require(policies and not unknown, f"--policies must be comma-separated names among {', '.join(known)}, or those "
+                                      f"wrapped by {' or '.join(BUDGET_WRAPPERS)} as in adakv(h2o); "
                                       f"got {args.policies!r}" + (f", unknown {unknown}" if unknown else ""))
     budgets = parse_budgets(args.budgets, context)
     fraction = args.prefill_fraction
@@ -184,14 +191,15 @@ def format_table(rows, budgets, title: str) -> str:
     names = list(dict.fromkeys(r.policy for r in rows if r.policy != "full"))
     full = next(r for r in rows if r.policy == "full")
     lines = [title, f"full cache: nll {full.nll:.4f} nats/token, {full.bits_per_byte:.4f} bits/byte", ""]
-    header = f"{'policy':<14}" + "".join(f" | B={b:<5} {'nll':>7} {'+full':>7} {'gap':>6}" for b in budgets)
+    width = max([14] + [len(name) for name in names])
+    header = f"{'policy':<{width}}" + "".join(f" | B={b:<5} {'nll':>7} {'+full':>7} {'gap':>6}" for b in budgets)
     lines += [header, "-" * len(header)]
     for name in names:
         cells = []
         for b in budgets:
             r = next((r for r in rows if r.policy == name and r.budget == b), None)
             cells.append(" | " + " " * 8 + (f"{r.nll:>7.4f} {r.delta_vs_full:>+7.4f} {r.gap_closed:>+6.2f}" if r else " " * 22))
-        lines.append(f"{name:<14}" + "".join(cells))
+        lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
 

@@ -280,7 +280,11 @@ def test_every_registry_entry_builds(name):
 
 
 def test_registry_holds_the_public_policies():
-    assert tuple(P.REGISTRY) == NAMES
+    # ExpectedAttention is built for a model's attention shape (tests/test_expected_attention.py).
+    assert tuple(P.REGISTRY) == NAMES + ("expected_attention",)
+    with pytest.raises(ValueError, match="policy 'expected_attention' needs the keyword 'head_dim'"):
+        P.make("expected_attention")
+    assert P.make("expected_attention", head_dim=8).num_evidence == 9
 
 
 def test_make_passes_keywords_to_the_factory():
@@ -289,7 +293,7 @@ def test_make_passes_keywords_to_the_factory():
 
 
 def test_make_names_an_unknown_policy_and_lists_the_known():
-    with pytest.raises(ValueError, match=r"policy must be one of \('full', 'window'.*'use_recency'\), got 'h20'"):
+    with pytest.raises(ValueError, match=r"policy must be one of \('full', 'window'.*'expected_attention'\), got 'h20'"):
         P.make("h20")
 
 

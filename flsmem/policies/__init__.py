@@ -4,8 +4,10 @@ What a policy is and what every policy shares lives in :mod:`~flsmem.policies.ba
 the policies come in families, one module each: :mod:`~flsmem.policies.recency`
 (full, window, StreamingLLM), :mod:`~flsmem.policies.accumulate` (H2O, TOVA, EMA, RMM
 and the two presets), :mod:`~flsmem.policies.windowed` (Scissorhands, SnapKV),
-:mod:`~flsmem.policies.at_write` (key norm, random), :mod:`~flsmem.policies.kalman`
-and :mod:`~flsmem.policies.oracle`. :data:`REGISTRY` maps each name to its factory and
+:mod:`~flsmem.policies.at_write` (key norm, random), :mod:`~flsmem.policies.kalman`,
+:mod:`~flsmem.policies.expected` (ExpectedAttention) and :mod:`~flsmem.policies.oracle`;
+:mod:`~flsmem.policies.budgets` wraps any of them with budgets per KV head (AdaKV) or
+per layer (PyramidKV). :data:`REGISTRY` maps each name to its factory and
 :func:`make` builds one by name. The learned estimator's policy lives in
 :mod:`flsmem.estimator`.
 """
@@ -23,14 +25,24 @@ from flsmem.policies.accumulate import (
 )
 from flsmem.policies.at_write import KeyNormParams, RandomParams, key_norm, random
 from flsmem.policies.base import HEAD_REDUCTIONS, Observation, Params, Policy, SlotView
+from flsmem.policies.budgets import HeadBudget, LayerSchedule, adakv, layer_budgets, pyramid
+from flsmem.policies.expected import ExpectedAttentionParams, expected_attention
 from flsmem.policies.kalman import KalmanParams, kalman
 from flsmem.policies.oracle import oracle
 from flsmem.policies.recency import full, streaming_llm, window
-from flsmem.policies.registry import REGISTRY, make
+from flsmem.policies.registry import REGISTRY, WRAPPERS, make
 from flsmem.policies.windowed import SnapKVParams, scissorhands, snapkv
 
 __all__ = [
     "DecayParams",
+    "ExpectedAttentionParams",
+    "HeadBudget",
+    "LayerSchedule",
+    "WRAPPERS",
+    "adakv",
+    "expected_attention",
+    "layer_budgets",
+    "pyramid",
     "HEAD_REDUCTIONS",
     "KalmanParams",
     "KeyNormParams",

@@ -33,6 +33,7 @@ from flsmem.typing import Array, Bool, Float, Int, PyTree
 
 __all__ = [
     "FoldFn",
+    "FoldQueriesFn",
     "HEAD_REDUCTIONS",
     "InitAuxFn",
     "InitEvidenceFn",
@@ -122,6 +123,7 @@ ScoreFn = Callable[["Policy", SlotView, PyTree], Array]
 InitEvidenceFn = Callable[["Policy", PyTree, Array, Array], Array]
 InitAuxFn = Callable[["Policy", int, int, int], PyTree]
 MonitorFn = Callable[["Policy", PyTree], dict[str, Array]]
+FoldQueriesFn = Callable[["Policy", PyTree, Array, Array], PyTree]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +167,17 @@ class Policy:
         ``state.score`` then holds the scores of the last eviction, ``stats.fallbacks``
         counts the non-finite scores of those steps, and :func:`flsmem.smooth` still
         commits fresh scores whenever called.
+      fold_queries: ``fold_queries(policy, aux, queries, position) -> aux`` folds a
+        step's queries (``[B, K, G, T, D]``, position encoding applied; ``position``
+        ``[B, T]``) into the policy's state; :func:`flsmem.attend` calls it, for a
+        policy that predicts from the queries themselves (ExpectedAttention); None
+        for the others.
+      head_budget: a :class:`~flsmem.policies.budgets.HeadBudget` to share each
+        sequence's budget among its KV heads by score (:func:`~flsmem.policies.adakv`);
+        None for the same budget in every head.
+      layer_schedule: a :class:`~flsmem.policies.budgets.LayerSchedule` of budgets over
+        a stack of layers, applied by :func:`flsmem.compress`
+        (:func:`~flsmem.policies.pyramid`); None for the same budget in every layer.
     """
 
     name: str
@@ -184,6 +197,9 @@ class Policy:
     needs_future: bool = False
     evicts: bool = True
     score_when_due: bool = False
+    fold_queries: FoldQueriesFn | None = None
+    head_budget: "HeadBudget | None" = None
+    layer_schedule: "LayerSchedule | None" = None
 
     def __post_init__(self):
         validate.nonneg_int("sinks", self.sinks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -184,7 +185,7 @@ class _Answerer:
 
         plan, length = self.plan, sample["length"]
         tokens = _budget_tokens(budget, length)
-        config = _config(policy, tokens, protocol, length + 1, plan.evict_every)
+        config = _config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg)
         begin = time.perf_counter()
         generated, info = answer(self.model, config, *ids, protocol=protocol, max_new=sample["max_new_tokens"],
                                  eos_id=self.tokenizer.eos_id, table=table)
@@ -211,14 +212,16 @@ def _budget_tokens(fraction: float, length: int) -> int:
     return max(1, int(fraction * length))
 
 
-def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: int):
+def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: int, model=None):
     """The memory settings of ``policy`` at ``tokens`` items (ValueError when it
-    cannot hold its protected items)."""
+    cannot hold its protected items). ``model``: the decoder's configuration, for the
+    policies built for its attention shape; before the model is loaded, a stand-in
+    shape checks the budget."""
     from flsmem.harness.evaluate import make_policy
-    from flsmem.harness.ruler.protocols import memory_config
+    from flsmem.models.decoder import TINY
 
-    return memory_config(make_policy(policy, tokens), tokens, protocol, length=length, evict_every=evict_every,
-                         max_new=MAX_NEW)
+    built = make_policy(policy, tokens, model=TINY if model is None else model)
+    return memory_config(built, tokens, protocol, length=length, evict_every=evict_every, max_new=MAX_NEW)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -243,9 +246,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", action="store_true", help="measure nothing: write the report from --out")
 
 
-def _names(option: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in known]
+def _names(option: str, text: str, known: tuple[str, ...], accept=None) -> tuple[str, ...]:
+    """Comma-separated names (commas inside parentheses do not split), each in ``known``
+    or accepted by ``accept``."""
+    names = tuple(dict.fromkeys(n.strip() for n in re.split(r",(?![^()]*\))", text) if n.strip()))
+    unknown = [n for n in names if n not in known and not (accept and accept(n))]
     require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}; got {text!r}"
                                    + (f", unknown {unknown}" if unknown else ""))
     return names
@@ -281,11 +286,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, is_policy_name
 
     plan = Plan(
         model=catalog.check(args.model), lengths=_lengths(args), tasks=_names("--tasks", args.tasks, TASKS),
-        policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES),
+        policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES, is_policy_name),
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
         evict_every=positive_int("--evict-every", args.evict_every))
