@@ -38,6 +38,10 @@ POLICIES = {
     "learned": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=True, learning_rate=1e-4, recent=16),
     # The same network frozen: no snapshots to keep up, no learning branch.
     "learned_offline": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=False, recent=16),
+    # Budgets shared by the KV heads by score (the library's default ceiling: each head's
+    # slots allocated for twice its uniform share, which the loop attends over).
+    "adakv(rmm)": lambda: policies.adakv(policies.make("rmm", lag=16)),
+    "adakv(h2o)": lambda: policies.adakv(policies.make("h2o", recent=16)),
 }
 DEFAULT_POLICIES = ["rmm", "h2o"]
 BUDGET = {"tiny": 256, "smollm2": 512}

@@ -86,6 +86,23 @@ def test_prefill_protocol_compresses_once():
     np.testing.assert_allclose(full.nll, plain_nll(WINDOWS)[:, 24:].mean(), rtol=1e-4)
 
 
+def test_the_peers_by_name_in_the_prefill_protocol():
+    # kvpress's peers and the budget wrappers, built for the model at hand.
+    ea = make_policy("expected_attention", 16, model=CFG)
+    assert (ea.params.head_dim, ea.params.group, ea.sinks) == (CFG.head_dim, CFG.group, 4)
+    ada = make_policy("adakv(h2o)", 16, model=CFG)
+    assert ada.head_budget.ceiling == pytest.approx(2 - 0.2) and ada.recent == 8
+    with pytest.raises(ValueError, match="expected_attention needs the model"):
+        make_policy("expected_attention", 16)
+    rows = run_comparison(MODEL, WINDOWS, np.full((2, 2), 8), [12],
+                          ["h2o", "adakv(expected_attention)", "pyramid(h2o)"], chunk=8, protocol="prefill")
+    by = {r.policy: r for r in rows}
+    assert set(by) == {"full", "h2o", "adakv(expected_attention)", "pyramid(h2o)"}
+    assert all(np.isfinite(r.nll) for r in rows)
+    # Two layers, so the pyramid gives the lower one more: another cut than h2o's.
+    assert by["pyramid(h2o)"].nll != by["h2o"].nll
+
+
 def test_argument_checks():
     assert parse_budgets("1/16,1/8,32", 512) == [32, 64, 32]
     with pytest.raises(ValueError, match="budgets"):
@@ -142,6 +159,8 @@ BAD_ARGUMENTS = {
     "generate: model file not GGUF": (["generate", "--prompt", "x", "--model", "{tmp}/notes.gguf"],
                                       "--model {tmp}/notes.gguf: {tmp}/notes.gguf is not a GGUF"),
     "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
+    "unknown wrapped policy": (["eval", "--policies", "h2o,adakv(nope)"], "--policies"),
+    "unknown wrapper": (["eval", "--policies", "twice(h2o)"], "--policies"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
     "windows 0": (["eval", "--windows", "0"], "--windows"),
     "more windows than the text holds": (["eval", "--windows", "100000"], "--windows"),

@@ -1,5 +1,6 @@
-"""ExpectedAttention (Devoto et al., 2025; kvpress's ``ExpectedAttentionPress``): score
-each item by the attention that future queries are expected to give it.
+"""ExpectedAttention (Devoto et al., 2025, arXiv 2510.00636; kvpress's
+``ExpectedAttentionPress``): score each item by the attention that future queries are
+expected to give it.
 
 The queries seen so far are summarised per query head by their mean and covariance,
 taken before the position encoding. The next ``future`` positions' rotations are

@@ -218,6 +218,7 @@ def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: i
     policies built for its attention shape; before the model is loaded, a stand-in
     shape checks the budget."""
     from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler.protocols import memory_config
     from flsmem.models.decoder import TINY
 
     built = make_policy(policy, tokens, model=TINY if model is None else model)
@@ -251,7 +252,8 @@ def _names(option: str, text: str, known: tuple[str, ...], accept=None) -> tuple
     or accepted by ``accept``."""
     names = tuple(dict.fromkeys(n.strip() for n in re.split(r",(?![^()]*\))", text) if n.strip()))
     unknown = [n for n in names if n not in known and not (accept and accept(n))]
-    require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}; got {text!r}"
+    wrapped = " (or wrapped, as in adakv(h2o))" if accept else ""
+    require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}{wrapped}; got {text!r}"
                                    + (f", unknown {unknown}" if unknown else ""))
     return names
 
@@ -286,11 +288,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, is_policy_name
+    from flsmem.harness.evaluate import LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, is_policy_name
 
     plan = Plan(
         model=catalog.check(args.model), lengths=_lengths(args), tasks=_names("--tasks", args.tasks, TASKS),
-        policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES, is_policy_name),
+        policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES + PEER_NAMES, is_policy_name),
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
         evict_every=positive_int("--evict-every", args.evict_every))
