@@ -20,7 +20,7 @@ __all__ = ["add_arguments", "run", "read_prompts"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+    from flsmem.harness.evaluate import LEARNED_NAMES, PEER_NAMES, POLICY_NAMES
     from flsmem.models.catalog import MODELS
 
     parser.add_argument("--model", default="tiny", help=f"one of {', '.join(MODELS)}, or a .gguf file")
@@ -28,9 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="one prompt per line ('-' for standard input)")
     parser.add_argument("--steps", type=int, default=64, help="tokens to generate per prompt")
-    choices = [name for name in POLICY_NAMES + LEARNED_NAMES if name != "oracle"]
-    parser.add_argument("--policy", default="h2o", choices=choices, metavar="POLICY",
-                        help=f"eviction policy, as in flsmem eval: {', '.join(choices)}")
+    choices = [name for name in POLICY_NAMES + LEARNED_NAMES + PEER_NAMES if name != "oracle"]
+    parser.add_argument("--policy", default="h2o", metavar="POLICY",
+                        help=f"eviction policy, as in flsmem eval: {', '.join(choices)}, or one of them wrapped "
+                             "by adakv or pyramid, as in adakv(h2o)")
     parser.add_argument("--budget", type=int, default=64, help="items each layer's memory row keeps")
     parser.add_argument("--evict-every", type=int, default=8, help="items that arrive between two evictions")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
@@ -61,8 +62,9 @@ def run(args: argparse.Namespace, fail) -> list[str]:
     """Generate and print; returns the continuations. ``fail(message)`` reports a bad
     argument (one line, exit status 2) before any model is loaded."""
     import flsmem
-    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.evaluate import is_policy_name, make_policy
     from flsmem.models import catalog
+    from flsmem.models.decoder import TINY
     from flsmem.models.generate import stream
 
     if args.steps < 1:
@@ -81,12 +83,19 @@ def run(args: argparse.Namespace, fail) -> list[str]:
         prompts = read_prompts(args)
     except ValueError as error:
         fail(str(error))
+    def memory_config(model_config):
+        policy = make_policy(args.policy, args.budget, model=model_config)
+        return flsmem.MemoryConfig(policy=policy, budget=args.budget, evict_every=args.evict_every, max_chunk=16)
+
+    if not is_policy_name(args.policy) or args.policy == "oracle":
+        fail(f"--policy must be a policy of flsmem eval other than the oracle (which needs the future), "
+             f"as in h2o or adakv(rmm), got {args.policy!r}")
     try:
-        policy = make_policy(args.policy, args.budget)
-        config = flsmem.MemoryConfig(policy=policy, budget=args.budget, evict_every=args.evict_every, max_chunk=16)
+        memory_config(TINY)  # the budget checked before the model loads; built again for its shape below
     except ValueError as error:
         fail(f"--policy {args.policy} at --budget {args.budget}: {error}")
     model, tokenizer = catalog.load(args.model)
+    config = memory_config(model.cfg)
     ids = [tokenizer.encode(p) for p in prompts]
     if min(len(i) for i in ids) < 1:
         fail("a prompt encodes to no tokens")
@@ -110,11 +119,13 @@ def run(args: argparse.Namespace, fail) -> list[str]:
             print(f"{prompt}{text}", flush=True)
     else:
         print(flush=True)
+    # Head-adaptive budgets let one head hold up to its largest share.
+    shared = f", up to {config.head_share} in one head" if config.policy.head_budget is not None else ""
     total = sum(len(o) for o in out)
     rate = (total - emitted_then) / elapsed if elapsed > 0 else float("nan")
     print(f"{total} tokens for {len(prompts)} prompt(s), {rate:.1f} tokens/s after the first step; "
           f"peak cache {peak} items per {'global ' if model.cfg.local_layers else ''}layer and KV head "
-          f"(budget {args.budget} + evict_every {args.evict_every}); {step.evictions} items evicted",
+          f"(budget {args.budget}{shared} + evict_every {args.evict_every}); {step.evictions} items evicted",
           file=sys.stderr, flush=True)
     return texts
 

@@ -69,6 +69,8 @@ def test_top_p_keeps_the_smallest_nucleus():
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", "x", "--steps", "0"], "--steps must be >= 1"),
     (["--prompt", "x", "--policy", "nope"], "--policy"),
+    (["--prompt", "x", "--policy", "oracle"], "--policy"),
+    (["--prompt", "x", "--policy", "adakv(nope)"], "--policy"),
     (["--prompt", "x", "--budget", "0"], "--budget and --evict-every must be >= 1"),
 ])
 def test_bad_input_is_one_error_and_exit_status_2(tmp_path, monkeypatch, capsys, argv, message):
