@@ -347,10 +347,15 @@ def evaluate_windows(
 
 @dataclasses.dataclass
 class Row:
+    """One policy at one budget: mean NLL (nats/token) of the scored tokens, bits per
+    byte, the NLL of each window (the unit that paired comparisons pair on), and the
+    difference to the full cache and the gap closed between streaming_llm and the oracle."""
+
     policy: str
     budget: int
     nll: float
     bits_per_byte: float
+    window_nll: list[float] = dataclasses.field(default_factory=list)
     delta_vs_full: float = float("nan")
     gap_closed: float = float("nan")
 
@@ -395,7 +400,7 @@ def run_comparison(
             on_stats(name, budget, stats)
         nll = nll[:, scored]
         bpb = float(nll.sum() / LN2 / scored_bytes.sum())
-        return Row(name, budget, float(nll.mean()), bpb)
+        return Row(name, budget, float(nll.mean()), bpb, [float(x) for x in nll.mean(axis=1)])
 
     full = measure("full", steps)
     rows = [full]
