@@ -231,3 +231,18 @@ def test_eval_reads_a_users_text_file_and_standard_input(tmp_path, monkeypatch, 
     from_stdin = capsys.readouterr().out
     table = lambda out: out.splitlines()[1:]  # noqa: E731 - the title holds the source and the time
     assert table(from_stdin) == table(from_file)
+
+
+def test_paired_differences_pair_windows():
+    from flsmem.harness.paired import _pair, paired_difference, table
+
+    mean, low, high = paired_difference([1.0, 2.0, 3.0], [0.0, 2.0, 1.0])
+    assert mean == pytest.approx(1.0) and 0.0 <= low <= mean <= high <= 2.0
+    # Equal policies differ by exactly nothing.
+    assert paired_difference([1.5, 2.5], [1.5, 2.5]) == (0.0, 0.0, 0.0)
+    run = {"rows": [{"policy": "full", "budget": 32, "window_nll": [1.0, 1.0]},
+                    {"policy": "adakv(h2o)", "budget": 8, "window_nll": [1.0, 2.0]},
+                    {"policy": "h2o", "budget": 8, "window_nll": [1.5, 2.0]}]}
+    assert _pair("adakv(h2o)-h2o") == ("adakv(h2o)", "h2o")
+    lines = table(run, [("adakv(h2o)", "h2o")]).splitlines()
+    assert lines[2].startswith("| adakv(h2o) − h2o | 8 | -0.2500 |") and lines[2].endswith("| 1 of 2 |")
