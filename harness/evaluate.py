@@ -325,6 +325,9 @@ def evaluate_windows(
         raise ValueError(f"correctness must be one of {tuple(CORRECTNESS)}, got {correctness!r}")
     if policy.needs_future and futures is None:
         raise ValueError("futures (from future_attention) are required by the oracle")
+    if policy.layer_schedule is not None and not prefill:
+        raise ValueError(f"{policy.name}: layer budgets apply when a prefix is compressed (the prefill protocol), "
+                         "as PyramidKV does; streamed, every layer keeps the same budget")
     if not policy.evicts:
         budget = steps
     if prefill:

@@ -87,6 +87,9 @@ def run(args: argparse.Namespace, fail) -> list[str]:
         policy = make_policy(args.policy, args.budget, model=model_config)
         return flsmem.MemoryConfig(policy=policy, budget=args.budget, evict_every=args.evict_every, max_chunk=16)
 
+    if "pyramid(" in args.policy:
+        fail(f"--policy {args.policy}: layer budgets apply when a prefix is compressed (flsmem eval --protocol "
+             "prefill); generation evicts on a schedule, where every layer keeps the same budget")
     if not is_policy_name(args.policy) or args.policy == "oracle":
         fail(f"--policy must be a policy of flsmem eval other than the oracle (which needs the future), "
              f"as in h2o or adakv(rmm), got {args.policy!r}")

@@ -99,6 +99,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     require(policies and not unknown, f"--policies must be comma-separated names among {', '.join(known)}, or those "
                                       f"wrapped by {' or '.join(BUDGET_WRAPPERS)} as in adakv(h2o); "
                                       f"got {args.policies!r}" + (f", unknown {unknown}" if unknown else ""))
+    pyramids = [p for p in policies if "pyramid(" in p]
+    require(args.protocol == "prefill" or not pyramids,
+            f"--policies {', '.join(pyramids)}: layer budgets apply when a prefix is compressed; use --protocol prefill")
     budgets = parse_budgets(args.budgets, context)
     fraction = args.prefill_fraction
     require(0.0 < fraction < 1.0, f"--prefill-fraction must lie in (0, 1), got {fraction}")

@@ -71,6 +71,7 @@ def test_top_p_keeps_the_smallest_nucleus():
     (["--prompt", "x", "--policy", "nope"], "--policy"),
     (["--prompt", "x", "--policy", "oracle"], "--policy"),
     (["--prompt", "x", "--policy", "adakv(nope)"], "--policy"),
+    (["--prompt", "x", "--policy", "pyramid(h2o)"], "--policy pyramid(h2o): layer budgets apply when a prefix"),
     (["--prompt", "x", "--budget", "0"], "--budget and --evict-every must be >= 1"),
 ])
 def test_bad_input_is_one_error_and_exit_status_2(tmp_path, monkeypatch, capsys, argv, message):

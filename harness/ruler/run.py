@@ -296,6 +296,10 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
         evict_every=positive_int("--evict-every", args.evict_every))
+    pyramids = [p for p in plan.policies if "pyramid(" in p]
+    require(not pyramids, f"--policies {', '.join(pyramids)}: layer budgets hold until the next scheduled eviction, "
+                          "and flsmem ruler evicts while it reads the question and answers, so they would be measured "
+                          "as uniform budgets; use them with flsmem eval --protocol prefill")
     for length in plan.lengths:
         for policy in plan.policies:
             for budget in plan.budgets:
