@@ -161,7 +161,7 @@ BAD_ARGUMENTS = {
     "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
     "unknown wrapped policy": (["eval", "--policies", "h2o,adakv(nope)"], "--policies"),
     "unknown wrapper": (["eval", "--policies", "twice(h2o)"], "--policies"),
-    "layer budgets streamed": (["eval", "--policies", "pyramid(h2o)"], "--protocol prefill"),
+    "layer budgets streamed": (["eval", "--policies", "pyramid(h2o)"], "--policies pyramid(h2o): layer budgets apply"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
     "windows 0": (["eval", "--windows", "0"], "--windows"),
     "more windows than the text holds": (["eval", "--windows", "100000"], "--windows"),

@@ -38,7 +38,7 @@ def test_eight_simulated_devices():
     env.pop("PYTEST_ADDOPTS", None)
     root = Path(__file__).resolve().parent.parent
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        [sys.executable, "-m", "pytest", "-rs", "-n", "0", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,
     )
     report = child.stdout + child.stderr
