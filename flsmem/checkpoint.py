@@ -248,6 +248,16 @@ def _describe(value: Any) -> Any:
     return repr(value)  # e.g. estimator Weights: their repr holds a digest of the content
 
 
+def _set_fields(description: Any) -> Any:
+    """A description without its unset (None) entries: a field added to a policy later,
+    unset, leaves the checkpoints saved before it comparable."""
+    if isinstance(description, dict):
+        return {k: _set_fields(v) for k, v in description.items() if v is not None}
+    if isinstance(description, list):
+        return [_set_fields(v) for v in description]
+    return description
+
+
 def describe_config(config: MemoryConfig) -> dict:
     """The config fields a checkpoint must agree with, as JSON-able values."""
     return {name: _describe(getattr(config, name)) for name in _SEMANTIC_FIELDS}
@@ -292,7 +302,7 @@ def _check_manifest(path, manifest: dict, like: MemoryState) -> list[dict]:
     if manifest.get("format") != FORMAT:
         _fail(_MEMORY, path, f"is not a flsmem memory checkpoint of format {FORMAT}")
     expected = describe_config(like.config)
-    if manifest["config"] != expected:
+    if _set_fields(manifest["config"]) != _set_fields(expected):
         differ = sorted(k for k in expected if manifest["config"].get(k) != expected[k])
         _fail(_MEMORY, path, f"was saved from a memory of another config (differs in {', '.join(differ)}): "
                              f"saved {[manifest['config'].get(k) for k in differ]}, "

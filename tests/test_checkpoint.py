@@ -222,3 +222,18 @@ def test_the_shipped_checkpoints_read_through_the_generic_helpers():
     assert kernel.shape[0] == len(E.FEATURES)
     params = checkpoint.saved_shapes(CHECKPOINT_DIR / "params")
     assert len(jax.tree.leaves(params)) > 0
+
+
+def test_a_policy_field_added_unset_leaves_older_manifests_comparable():
+    import copy
+
+    config = flsmem.MemoryConfig(flsmem.policies.h2o(recent=2), budget=8)
+    now = checkpoint.describe_config(config)
+    before = copy.deepcopy(now)
+    for field in ("fold_queries", "head_budget", "layer_schedule"):
+        assert now["policy"][field] is None
+        del before["policy"][field]
+    assert checkpoint._set_fields(before) == checkpoint._set_fields(now)
+    # A field that is set still tells configs apart.
+    wrapped = checkpoint.describe_config(config.replace(policy=flsmem.policies.adakv(config.policy)))
+    assert checkpoint._set_fields(wrapped) != checkpoint._set_fields(now)
