@@ -58,7 +58,9 @@ def is_due(state: MemoryState, budget: int | None = None) -> Bool[Array, "B K"]:
     Returns:
       ``[B, K]`` bool.
     """
-    n_present = jnp.sum(present(state), axis=-1, dtype=jnp.int32)
+    # Counted in float32 (exact below 2**24 slots): a float sum vectorises, an int sum
+    # of a bool mask runs about twice as long on CPU.
+    n_present = jnp.sum(jnp.where(present(state), 1.0, 0.0), axis=-1).astype(jnp.int32)
     if not state.config.policy.evicts:
         return jnp.zeros(n_present.shape, jnp.bool_)
     if state.config.policy.head_budget is not None:
@@ -107,8 +109,6 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
     if not config.policy.evicts:
         return state
     b, k, s = state.valid.shape
-    here = present(state)
-    n_waiting = jnp.sum(state.valid & ~here, axis=-1, dtype=jnp.int32)
     target = config.budget if budget is None else budget
     due = is_due(state, budget)
 
@@ -124,6 +124,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         ).reshape(scores.shape)
 
     def run(state: MemoryState) -> MemoryState:
+        n_waiting = jnp.sum(state.valid & ~present(state), axis=-1, dtype=jnp.int32)
         rank = priority(state)
         head_budget = config.policy.head_budget
         if head_budget is None:

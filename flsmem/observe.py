@@ -47,10 +47,13 @@ def observe_one(
     policy = state.config.policy
     t = state.step
     present = state.valid & (state.birth <= t[:, None, None])
-    finite_a = jnp.isfinite(attention)
     finite_w = jnp.isfinite(correctness)
-    bad = jnp.any(present & ~finite_a, axis=(1, 2)) | ~finite_w
-    attention = jnp.where(present & finite_a, attention, 0.0)
+    # Whether a row saw a non-finite entry, as one max-reduction (NaN and Inf carry
+    # through a max, and a max of finite magnitudes cannot overflow), where a count of
+    # ``present & ~isfinite`` would take several passes over the row.
+    largest = jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2))
+    bad = ~jnp.isfinite(largest) | ~finite_w
+    attention = jnp.where(present & jnp.isfinite(attention), attention, 0.0)
     correctness = jnp.where(finite_w, correctness, 0.0)
     if future is not None:
         future = jnp.where(present & jnp.isfinite(future), future, 0.0)

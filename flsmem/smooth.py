@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from flsmem.policies import SlotView
 from flsmem.state import MemoryState, age, check_state, present
@@ -36,19 +37,30 @@ def smooth(state: MemoryState) -> MemoryState:
     ages = age(state)
     here = present(state)
     view = SlotView(state.evidence, ages, state.birth, state.position, here, state.step)
+
     def committed(score_fn):
         raw = score_fn(policy, view, state.aux).astype(jnp.float32)
         return raw / (ages + 1).astype(jnp.float32) if policy.normalise_by_age else raw
 
     raw = committed(policy.score)
-    not_finite = here & ~jnp.isfinite(raw)
-    fell_back = jnp.sum(not_finite, axis=(1, 2), dtype=jnp.int32)
-    if policy.fallback_score is not None:
-        # One scale per row: a row with any bad score is ranked wholly by the fallback.
-        row_bad = jnp.any(not_finite, axis=-1, keepdims=True)
-        raw = jnp.where(row_bad, committed(policy.fallback_score), raw)
-    finite = jnp.isfinite(raw)
-    fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
-    score = jnp.where(here, jnp.where(finite, raw, fallback), 0.0)
+
+    def with_fallbacks(raw):
+        not_finite = here & ~jnp.isfinite(raw)
+        fell_back = jnp.sum(not_finite, axis=(1, 2), dtype=jnp.int32)
+        if policy.fallback_score is not None:
+            # One scale per row: a row with any bad score is ranked wholly by the fallback.
+            row_bad = jnp.any(not_finite, axis=-1, keepdims=True)
+            raw = jnp.where(row_bad, committed(policy.fallback_score), raw)
+        fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
+        return jnp.where(here, jnp.where(jnp.isfinite(raw), raw, fallback), 0.0), fell_back
+
+    def all_finite(raw):
+        return jnp.where(here, raw, 0.0), jnp.zeros(state.step.shape, jnp.int32)
+
+    # The fallbacks are for rows gone wrong: one max-reduction (a non-finite score
+    # carries through it) decides whether any row needs them, and the usual step pays
+    # for nothing more.
+    largest = jnp.max(jnp.where(here, jnp.abs(raw), 0.0))
+    score, fell_back = lax.cond(jnp.isfinite(largest), all_finite, with_fallbacks, raw)
     stats = state.stats.replace(fallbacks=state.stats.fallbacks + fell_back)
     return state.replace(score=score, stats=stats)

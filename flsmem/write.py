@@ -27,16 +27,17 @@ def _targets(state: MemoryState, q: int):
     if q > 1:
         return _ranked_targets(state, q)
     # Decode hot path. The schedule (capacity = budget + evict_every) leaves every row
-    # a free slot, and the lowest free slot is a cheap argmax, where ranking the row
-    # costs a priority pass and a top_k per write. The ranking runs only when some row
-    # is full.
-    free = ~state.valid
+    # a free slot, and the lowest free slot is one min-reduction over the row, where
+    # ranking the row costs a priority pass and a top_k per write (and an argmax, a
+    # two-operand reduction, runs several times slower than a min on CPU). The ranking
+    # runs only when some row is full.
+    s = state.valid.shape[-1]
+    lowest = jnp.min(jnp.where(state.valid, s, lax.broadcasted_iota(jnp.int32, state.valid.shape, 2)), axis=-1)
 
     def lowest_free(state):
-        target = jnp.argmax(free, axis=-1).astype(jnp.int32)[..., None]
-        return target, jnp.zeros(target.shape, jnp.bool_)
+        return lowest[..., None], jnp.zeros(lowest.shape + (1,), jnp.bool_)
 
-    return lax.cond(jnp.all(jnp.any(free, axis=-1)), lowest_free, lambda st: _ranked_targets(st, 1), state)
+    return lax.cond(jnp.all(lowest < s), lowest_free, lambda st: _ranked_targets(st, 1), state)
 
 
 def write(

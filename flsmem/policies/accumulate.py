@@ -89,7 +89,9 @@ def _fold_decayed_sum(policy: Policy, view: SlotView, obs: Observation, aux: PyT
     """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0)."""
     e = view.evidence[..., 0]
     new = policy.params.decay * e + weight(policy.params.weighted, obs) * obs.attention
-    return jnp.where(view.present, new, e)[..., None], aux
+    # A reshape, not [..., None]: XLA on CPU lays the new axis out apart and copies the
+    # evidence back into the memory's layout every step.
+    return jnp.where(view.present, new, e).reshape(view.evidence.shape), aux
 
 
 def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
