@@ -34,6 +34,8 @@ from flsmem.harness.evaluate import ESTIMATOR_DIR
 POLICIES = {
     "rmm": lambda: policies.make("rmm", lag=16),
     "h2o": lambda: policies.make("h2o", recent=16),
+    "ema": lambda: policies.make("ema", recent=16),
+    "kalman": lambda: policies.make("kalman", lag=16),
     # The shipped estimator, learning while it serves (as `learned` in results/LEARNED.md).
     "learned": lambda: estimator.from_checkpoint(ESTIMATOR_DIR, online=True, learning_rate=1e-4, recent=16),
     # The same network frozen: no snapshots to keep up, no learning branch.
