@@ -17,12 +17,14 @@ Beside them, the same pairs against a floor: a jitted loop that only adds each s
 attention to every item's score (``scores += attention``, one fused pass over
 ``[rows, N]``), the least any per-step scoring rule can do. Python over the floor is
 the largest speed-up any implementation could show on this machine; when it is below
-1,000x, the 1,000x goal of issue 7 is out of reach here whatever flsmem does. Two more
-loops profile flsmem's step in the same pairs: the write alone, and write + observe +
-smooth with no eviction falling due; each step is reported as a multiple of the
-floor's.
+1,000x, a 1,000x goal is out of reach here whatever flsmem does. More loops profile
+flsmem's step by stage, each a multiple of the floor's step, so that a slowdown in one
+stage shows: the write alone; + observe; + smooth (no eviction falling due); the whole
+step (``evict_every`` 1 and 32); and the learned estimator's whole step (``learned``,
+a fresh network learning online, ``evict_every`` 32).
 
     python -m bench.pyref                          # N = 1k, 4k, 16k
+    python -m bench.pyref --quick                  # N = 1k, 3 rounds: under a minute
     python -m bench.pyref --sizes 256 --rows 4     # a small check
 """
 
@@ -38,7 +40,7 @@ import numpy as np
 
 import flsmem
 from bench import common
-from flsmem import policies
+from flsmem import estimator, policies
 
 RECENT = 16
 
@@ -83,10 +85,12 @@ class PythonMemory:
         return [{e["position"] for e in slots.values()} for slots in self.rows]
 
 
-def flsmem_memory(rows: int, budget: int, evict_every: int, filled: int, head_dim: int = 64):
+def flsmem_memory(rows: int, budget: int, evict_every: int, filled: int, head_dim: int = 64, policy=None):
     """A flsmem memory of ``rows`` rows (one sequence, ``rows`` heads) holding
-    ``filled`` items at positions 0 .. filled - 1, with key/value payloads."""
-    config = flsmem.MemoryConfig(policy=policies.h2o(recent=RECENT), budget=budget, evict_every=evict_every)
+    ``filled`` items at positions 0 .. filled - 1, with key/value payloads; H2O with
+    the Python implementation's recent window unless ``policy`` is given."""
+    policy = policy or policies.h2o(recent=RECENT)
+    config = flsmem.MemoryConfig(policy=policy, budget=budget, evict_every=evict_every)
     memory = flsmem.init(config, 1, rows, {"k": (head_dim,), "v": (head_dim,)})
     slot = jnp.arange(config.capacity, dtype=jnp.int32)
     here = jnp.broadcast_to(slot < filled, memory.valid.shape)
@@ -95,17 +99,26 @@ def flsmem_memory(rows: int, budget: int, evict_every: int, filled: int, head_di
                           step=jnp.full((1,), filled, jnp.int32))
 
 
+# The stages of a step, each including the ones before it.
+STAGES = ("write", "observe", "smooth", "update")
+
+
 @functools.partial(jax.jit, static_argnames=("steps", "stages"), donate_argnums=(0,))
 def flsmem_steps(memory, attention, *, steps, stages="update"):
     """``steps`` steps of write + update, each with the same attention ``[1, K, S]``;
-    with ``stages="write"`` the write alone (for the profile of the step)."""
+    ``stages`` stops the step early for its profile: "write", "observe" (write +
+    observe) or "smooth" (write + observe + smooth, never evicting)."""
     _, k, _ = memory.valid.shape
     d = memory.payload["k"].shape[-1]
 
     def step(memory, t):
         item = {"k": jnp.ones((1, k, d)), "v": jnp.ones((1, k, d))}
         memory = flsmem.write(memory, item, jnp.full((1,), t, jnp.int32))
-        return (memory if stages == "write" else flsmem.update(memory, attention)), None
+        if stages == "update":
+            return flsmem.update(memory, attention), None
+        if stages != "write":
+            memory = flsmem.observe(memory, attention)
+        return (flsmem.smooth(memory) if stages == "smooth" else memory), None
 
     return jax.lax.scan(step, memory, memory.step[0] + jnp.arange(steps, dtype=jnp.int32))[0]
 
@@ -129,9 +142,15 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=32, help="flsmem steps per timed call")
     parser.add_argument("--python-steps", type=int, default=2, help="Python steps per timed call")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="N = 1k, 3 rounds, one core: under a minute")
     parser.add_argument("--out", default="pyref", help="name of the results/bench/<name>.json file")
     common.add_timing_options(parser)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.rounds = [1024], 3
+        args.cores = 1 if args.cores is None else args.cores
+        if args.out == "pyref":
+            args.out = "pyref-quick"
     for name in ("rows", "steps", "python_steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -171,10 +190,13 @@ def main(argv=None):
             attention = jnp.zeros((1, args.rows, s)).at[0, :, : n + 1].set(weights[:, : min(n + 1, s)])
             variants[f"flsmem/{ee}"] = (common.fresh(memory),
                                         lambda m, a=attention: flsmem_steps(m, a, steps=args.steps))
-        # The profile of a step: the write alone, then write + observe + smooth (no
-        # eviction falls due in the call: the rows never reach budget + evict_every).
-        for stage, ee, stages in (("write", args.steps, "write"), ("no_evict", 2 * args.steps, "update")):
-            memory = flsmem_memory(args.rows, n, ee, n)
+        # The profile of a step by stage (no eviction falls due in these calls: with
+        # evict_every twice the steps the rows never reach budget + evict_every), and
+        # the learned estimator's whole step.
+        learner = estimator.learned(online=True, recent=RECENT)
+        profile = [(stage, 2 * args.steps, stage, None) for stage in STAGES[:3]]
+        for stage, ee, stages, policy in profile + [("learned", 32, "update", learner)]:
+            memory = flsmem_memory(args.rows, n, ee, n, policy=policy)
             attention = jnp.zeros((1, args.rows, memory.slots)).at[0, :, : n + 1].set(weights[:, : n + 1])
             variants[stage] = (common.fresh(memory),
                                lambda m, a=attention, st=stages: flsmem_steps(m, a, steps=args.steps, stages=st))
@@ -194,13 +216,15 @@ def main(argv=None):
             row = {"n": n, "rows": args.rows, "evict_every": ee, "python_steps": args.python_steps,
                    "steps": args.steps, "rounds": args.rounds, "speedup": speed(r["median"]),
                    "speedup_low": speed(r["high"]), "speedup_high": speed(r["low"]), "floor_speedup": floor,
-                   "floors_write": passes["write"], "floors_no_evict": passes["no_evict"],
+                   "floors_write": passes["write"], "floors_observe": passes["observe"],
+                   "floors_no_evict": passes["smooth"], "floors_learned": passes["learned"],
                    "floors": passes[f"flsmem/{ee}"]}
             rows.append(row)
             print(f"N={n:6} rows={args.rows} flsmem evict_every={ee:3}: {row['speedup']:.0f}x faster per step "
                   f"than the Python implementation (rounds {row['speedup_low']:.0f}x .. {row['speedup_high']:.0f}x); "
-                  f"the floor (scores += attention): {floor:.0f}x; the step costs {row['floors']:.0f} floors "
-                  f"(write {row['floors_write']:.0f}, write + observe + smooth {row['floors_no_evict']:.0f})", flush=True)
+                  f"the floor (scores += attention): {floor:.0f}x; the step costs {row['floors']:.1f} floors "
+                  f"(write {row['floors_write']:.1f}, + observe {row['floors_observe']:.1f}, + smooth "
+                  f"{row['floors_no_evict']:.1f}; learned {row['floors_learned']:.1f})", flush=True)
     common.save(args.out, {"rows": rows})
 
 

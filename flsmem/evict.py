@@ -123,7 +123,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
             max_dropped=max_dropped,
         ).reshape(scores.shape)
 
-    def run(state: MemoryState) -> MemoryState:
+    def run(changed):
         n_waiting = jnp.sum(state.valid & ~present(state), axis=-1, dtype=jnp.int32)
         rank = priority(state)
         head_budget = config.policy.head_budget
@@ -143,13 +143,13 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
             evicted_age=stats.evicted_age + jnp.sum(jnp.where(evicted, ages, 0.0), axis=-1),
             evicted_score=stats.evicted_score + jnp.sum(jnp.where(evicted, state.score, 0.0), axis=-1),
         )
-        return state.replace(
-            valid=state.valid & ~evicted,
-            position=jnp.where(evicted, -1, state.position),
-            stats=stats,
-        )
+        return state.valid & ~evicted, jnp.where(evicted, -1, state.position), stats
 
-    return lax.cond(jnp.any(due), run, lambda st: st, state)
+    # Only what an eviction changes goes through the branch: an array passed through
+    # a conditional unchanged is copied by XLA every step, taken or not.
+    changed = (state.valid, state.position, state.stats)
+    valid, position, stats = lax.cond(jnp.any(due), run, lambda c: c, changed)
+    return state.replace(valid=valid, position=position, stats=stats)
 
 
 def _is_traced_count(budget) -> bool:

@@ -113,10 +113,16 @@ def test_tiny_runs_and_report(results):
     assert {"jax", "cpu_cores", "cores_used"} <= set(record["machine"])
     assert [r["evict_every"] for r in record["rows"]] == [1, 4]
     assert all(r["speedup"] > 0 and r["floor_speedup"] > 0 for r in record["rows"])
-    assert all(r["floors_write"] > 0 and r["floors_no_evict"] > 0 and r["floors"] > 0 for r in record["rows"])
+    stages = ("floors_write", "floors_observe", "floors_no_evict", "floors_learned", "floors")
+    assert all(r[stage] > 0 for r in record["rows"] for stage in stages)
     text = report.build()
     assert "Against a per-step Python implementation" in text and "no GPU was lent" in text
     assert "Not run yet: overhead-tiny, overhead" in text
+
+
+def test_quick_pyref_is_one_size_on_one_core():
+    args = pyref.parse(["--quick"])
+    assert (args.sizes, args.rounds, args.cores, args.out) == ([1024], 3, 1, "pyref-quick")
 
 
 def test_quick_overhead_runs_on_one_core_unless_told():
