@@ -8,6 +8,7 @@ ratio, and the median over rounds is reported (with the lowest and highest besid
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -177,8 +178,11 @@ def command() -> str:
     return " ".join([head] + sys.argv[1:])
 
 
+@functools.cache
 def commit() -> str:
-    """The git commit the code ran at, with "+changes" if the working tree differed."""
+    """The git commit the code ran at, with "+changes" if the working tree differed:
+    read once, when the benchmark starts (see the end of this module), not when a long
+    run saves its figures."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "bench", "flsmem", "models"],
@@ -239,3 +243,6 @@ def random_kv(key, shape, dtype=jnp.float32):
     cost does not depend on the values it reads."""
     k1, k2 = jax.random.split(key)
     return jax.random.normal(k1, shape, dtype), jax.random.normal(k2, shape, dtype)
+
+
+commit()  # the code this process runs is the code checked out now

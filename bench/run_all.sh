@@ -8,7 +8,8 @@ python=${PYTHON:-python}
 # "Two threads"); the quick form once more on every core shows the difference.
 # tiny's steps take milliseconds, so its ratios need more rounds to settle.
 $python -m bench.overhead --models tiny --batch 1,8 --rounds 15 --cores 1 --out overhead-tiny
-$python -m bench.overhead --models smollm2 --batch 1,8 --rounds 9 --cores 1
+# Issue 21's serving goals name rmm, h2o, ema and kalman at evict_every 8 and 1.
+$python -m bench.overhead --models smollm2 --batch 1,8 --policies rmm,h2o,ema,kalman --evict-every 1,8 --rounds 9 --cores 1
 $python -m bench.overhead --quick
 $python -m bench.overhead --quick --cores all --out overhead-quick-all-cores
 # The learned estimator (its network and online learning) beside rmm in the same run.
@@ -18,6 +19,7 @@ $python -m bench.overhead --models smollm2 --batch 1,8 --policies 'rmm,adakv(rmm
 $python -m bench.profile --batch 1,8 --cores 1
 $python -m bench.longctx --batch 1,8
 $python -m bench.prefill_memory
-$python -m bench.pyref
+$python -m bench.pyref --cores 1
+$python -m bench.step_trace --cores 1
 $python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3
 $python -m bench.report

@@ -54,15 +54,14 @@ def smooth(state: MemoryState) -> MemoryState:
         fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
         return jnp.where(here, jnp.where(jnp.isfinite(raw), raw, fallback), 0.0), fell_back
 
+    def all_finite(raw):
+        return jnp.where(here, raw, 0.0), jnp.zeros(state.step.shape, jnp.int32)
+
     # The fallbacks are for rows gone wrong: one max-reduction over the scores (a
     # non-finite one carries through it) decides whether any row needs them, and the
-    # usual step pays for nothing more.
-    score = jnp.where(here, raw, 0.0)
-    score, fell_back = lax.cond(
-        jnp.isfinite(jnp.max(jnp.abs(score))),
-        lambda _: (score, jnp.zeros(state.step.shape, jnp.int32)),
-        with_fallbacks,
-        raw,
-    )
+    # usual step pays for nothing more. Both branches compute the scores they return:
+    # an array passed through a conditional unchanged is copied by XLA.
+    finite = jnp.isfinite(jnp.max(jnp.abs(jnp.where(here, raw, 0.0))))
+    score, fell_back = lax.cond(finite, all_finite, with_fallbacks, raw)
     stats = state.stats.replace(fallbacks=state.stats.fallbacks + fell_back)
     return state.replace(score=score, stats=stats)

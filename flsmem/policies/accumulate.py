@@ -87,11 +87,11 @@ class UseRecencyParams(Params):
 
 def _fold_decayed_sum(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0)."""
-    e = view.evidence[..., 0]
-    new = policy.params.decay * e + weight(policy.params.weighted, obs) * obs.attention
-    # A reshape, not [..., None]: XLA on CPU lays the new axis out apart and copies the
-    # evidence back into the memory's layout every step.
-    return jnp.where(view.present, new, e).reshape(view.evidence.shape), aux
+    # On [B, K, S, 1] throughout: dropping the evidence axis and adding it back lets
+    # XLA on CPU lay the memory's evidence out apart and copy it every step.
+    e = view.evidence
+    new = policy.params.decay * e + (weight(policy.params.weighted, obs) * obs.attention)[..., None]
+    return jnp.where(view.present[..., None], new, e), aux
 
 
 def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):

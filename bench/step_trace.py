@@ -1,0 +1,81 @@
+"""Where a decode step's time goes, operation by operation of the compiled program.
+
+Runs ``bench.pyref``'s flsmem loop (H2O, write + update, ``rows`` rows of N items) under
+``jax.profiler``, then prints each XLA operation of the loop body with its time per
+step and the JAX operations it was fused from (read from the compiled HLO's metadata),
+largest first. On CPU the runtime may overlap independent operations, so the times are
+each operation's own wall time and need not add up to the step's.
+
+    python -m bench.step_trace                        # N = 4096, evict_every 64 (none due)
+    python -m bench.step_trace --evict-every 1        # an eviction every step
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from bench import common
+from bench.pyref import flsmem_memory, flsmem_steps
+
+
+def fused_from(hlo: str) -> dict[str, str]:
+    """Per operation of the compiled program, the JAX operations behind it."""
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"\n(%[\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.S)}
+    origin = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+)", line)
+        if not m:
+            continue
+        called = re.search(r"calls=(%[\w.\-]+)", line)
+        text = bodies.get(called.group(1), "") if called else line
+        ops = sorted({name.rsplit("/", 1)[-1] for name in re.findall(r'op_name="([^"]*)"', text)})
+        origin[m.group(1)] = f"{m.group(2).split('{')[0]} {', '.join(ops[:6]) or '(copy)'}"
+    return origin
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=4096, help="items per row")
+    parser.add_argument("--rows", type=int, default=90)
+    parser.add_argument("--evict-every", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--top", type=int, default=20, help="operations to print")
+    common.add_timing_options(parser)
+    args = parser.parse_args(argv)
+    if min(args.n, args.rows, args.evict_every, args.steps, args.top) < 1:
+        parser.error("--n, --rows, --evict-every, --steps and --top must be >= 1")
+    common.set_timing(args)
+    memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n)
+    attention = jnp.full((1, args.rows, memory.slots), 1.0 / args.n)
+    fresh = common.fresh(memory)
+    jax.block_until_ready(flsmem_steps(*fresh(), attention, steps=args.steps))
+    calls = 3
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(flsmem_steps(*fresh(), attention, steps=args.steps))
+        trace = next(pathlib.Path(folder).rglob("*.trace.json.gz"))
+        events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    origin = fused_from(flsmem_steps.lower(*fresh(), attention, steps=args.steps).compile().as_text())
+    per_step = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event["name"] in origin:
+            per_step[event["name"]] += event["dur"] / (calls * args.steps)
+    print(f"N={args.n} rows={args.rows} evict_every={args.evict_every}: time per step of each operation (us)")
+    for name, us in per_step.most_common(args.top):
+        print(f"{us:9.1f}  {name:32s} {origin[name]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
