@@ -10,7 +10,7 @@ import numbers
 import jax.numpy as jnp
 
 from flsmem import validate
-from flsmem.policies.base import Observation, Params, Policy, SlotView, score_first, weight
+from flsmem.policies.base import Observation, Params, Policy, SlotView, score_first, weight, with_column
 from flsmem.typing import Array, Bool, PyTree
 
 __all__ = [
@@ -87,11 +87,8 @@ class UseRecencyParams(Params):
 
 def _fold_decayed_sum(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0)."""
-    # On [B, K, S, 1] throughout: dropping the evidence axis and adding it back lets
-    # XLA on CPU lay the memory's evidence out apart and copy it every step.
-    e = view.evidence
-    new = policy.params.decay * e + (weight(policy.params.weighted, obs) * obs.attention)[..., None]
-    return jnp.where(view.present[..., None], new, e), aux
+    e = view.evidence[..., 0]
+    return with_column(view, policy.params.decay * e + weight(policy.params.weighted, obs) * obs.attention), aux
 
 
 def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
@@ -102,7 +99,7 @@ def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTr
     exponent = jnp.maximum(policy.lag + 1 - view.age, 0).astype(jnp.float32)
     added = e + jnp.power(jnp.float32(gamma), exponent) * weight(policy.params.weighted, obs) * obs.attention
     new = jnp.where(inside, added, rho * e)
-    return jnp.where(view.present, new, e)[..., None], aux
+    return with_column(view, new), aux
 
 
 def _above_uniform(obs: Observation, present) -> Bool[Array, "B K S"]:
@@ -120,7 +117,7 @@ def _fold_use_recency(policy: Policy, view: SlotView, obs: Observation, aux: PyT
         used = obs.attention > threshold
     e = view.evidence[..., 0]
     new = policy.params.decay * e + used.astype(jnp.float32)
-    return jnp.where(view.present, new, e)[..., None], aux
+    return with_column(view, new), aux
 
 
 def _decayed_sum(name: str, params: DecayParams, recent: int, lag: int = 0) -> Policy:

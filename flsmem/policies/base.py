@@ -45,6 +45,7 @@ __all__ = [
     "SlotView",
     "score_first",
     "weight",
+    "with_column",
 ]
 
 HEAD_REDUCTIONS = ("mean", "sum", "max")
@@ -248,3 +249,13 @@ def weight(weighted: bool, obs: Observation) -> Float[Array, "B 1 1"]:
 def score_first(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     """The score held in the first evidence column."""
     return view.evidence[..., 0]
+
+
+def with_column(view: SlotView, new: Float[Array, "B K S"]) -> Float[Array, "B K S 1"]:
+    """One-column evidence: ``new`` where the slot is present, the old value elsewhere.
+
+    Built on ``[B, K, S, 1]`` from the memory's own evidence: dropping the axis and
+    adding it back (``where(...)[..., None]``) lets XLA on CPU lay the memory's evidence
+    out apart and copy it every step.
+    """
+    return jnp.where(view.present[..., None], new[..., None], view.evidence)

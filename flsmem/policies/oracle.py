@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 
-from flsmem.policies.base import Observation, Policy, SlotView, score_first
+from flsmem.policies.base import Observation, Policy, SlotView, score_first, with_column
 from flsmem.typing import PyTree
 
 __all__ = ["oracle"]
 
 
 def _fold_future(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
-    e = view.evidence[..., 0]
-    return jnp.where(view.present, obs.future, e)[..., None], aux
+    return with_column(view, obs.future), aux
 
 
 def oracle() -> Policy:
