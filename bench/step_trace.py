@@ -1,7 +1,7 @@
 """Where a decode step's time goes, operation by operation of the compiled program.
 
-Runs ``bench.pyref``'s flsmem loop (write + update of H2O, or of the learned estimator
-learning online, over ``rows`` rows of N items) under
+Runs ``bench.pyref``'s flsmem loop (write + update of a policy as ``bench.overhead``
+builds it, over ``rows`` rows of N items) under
 ``jax.profiler``, then prints each XLA operation of the loop body with its time per
 step and the JAX operations it was fused from (read from the compiled HLO's metadata),
 largest first. On CPU the runtime may overlap independent operations, so the times are
@@ -9,7 +9,7 @@ each operation's own wall time and need not add up to the step's.
 
     python -m bench.step_trace                        # N = 4096, evict_every 64 (none due)
     python -m bench.step_trace --evict-every 1        # an eviction every step
-    python -m bench.step_trace --policy learned       # the learned estimator's step
+    python -m bench.step_trace --policy kalman        # another policy's step
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from bench import common
-from bench.pyref import RECENT, flsmem_memory, flsmem_steps
-from flsmem import estimator
+from bench.overhead import POLICIES
+from bench.pyref import flsmem_memory, flsmem_steps
 
 
 def fused_from(hlo: str) -> dict[str, str]:
@@ -52,15 +52,14 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=90)
     parser.add_argument("--evict-every", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--policy", choices=("h2o", "learned"), default="h2o")
+    parser.add_argument("--policy", choices=tuple(POLICIES), default="h2o")
     parser.add_argument("--top", type=int, default=20, help="operations to print")
     common.add_timing_options(parser)
     args = parser.parse_args(argv)
     if min(args.n, args.rows, args.evict_every, args.steps, args.top) < 1:
         parser.error("--n, --rows, --evict-every, --steps and --top must be >= 1")
     common.set_timing(args)
-    policy = estimator.learned(online=True, recent=RECENT) if args.policy == "learned" else None
-    memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n, policy=policy)
+    memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n, policy=POLICIES[args.policy]())
     attention = jnp.full((1, args.rows, memory.slots), 1.0 / args.n)
     fresh = common.fresh(memory)
     jax.block_until_ready(flsmem_steps(*fresh(), attention, steps=args.steps))

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from flsmem.policies import Observation, Policy, SlotView
+from flsmem.policies.base import with_columns
 from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["FEATURES", "features"]
@@ -157,28 +157,22 @@ def fold_evidence(view: SlotView, obs: Observation, aux: PyTree):
     w = obs.weight[:, None, None]
     arriving = view.age == 1
     far = view.age > _FAR_AGE
-    # Every column at once, in one element-wise pass over [B, K, S, E] that picks each
-    # column's rule by its index: stacking twelve new columns on the last axis ran
-    # about 15x slower on CPU. A column adds at most one term, so the sum of the terms
-    # masked by column adds exact zeros to it.
-    column = lax.broadcasted_iota(jnp.int32, e.shape, e.ndim - 1)
-    added = {
-        _H2O: obs.attention,
-        _RMM: w * obs.attention,
-        _SUM: z,
-        _UTILITY: w * z,
-        _RECENT: z,
-        _FAR_ATTENTION: jnp.where(far, obs.attention, 0.0),
-        _FAR_UTILITY: jnp.where(far, w * z, 0.0),
-    }
-    new = e * jnp.where(column == _RECENT, _RECENT_DECAY, 1.0)
-    new = new + sum(jnp.where(column == c, term[..., None], 0.0) for c, term in added.items())
-    new = jnp.where(column == _LAST, z[..., None], new)
-    new = jnp.where(column == _MAX, jnp.maximum(e, z[..., None]), new)
-    # The item arriving now is the token the previous query predicted.
-    producer = jnp.where(arriving[..., None], aux["last_weight"][:, None, None, None], e)
-    new = jnp.where(column == _PRODUCER, producer, new)
-    evidence = jnp.where(view.present[..., None], new, e)
+    columns = [
+        e[..., _H2O] + obs.attention,
+        e[..., _RMM] + w * obs.attention,
+        e[..., _SUM] + z,
+        e[..., _UTILITY] + w * z,
+        z,
+        jnp.maximum(e[..., _MAX], z),
+        _RECENT_DECAY * e[..., _RECENT] + z,
+        # The item arriving now is the token the previous query predicted.
+        jnp.where(arriving, aux["last_weight"][:, None, None], e[..., _PRODUCER]),
+        e[..., _KEY_NORM],
+        e[..., _VALUE_NORM],
+        e[..., _FAR_ATTENTION] + jnp.where(far, obs.attention, 0.0),
+        e[..., _FAR_UTILITY] + jnp.where(far, w * z, 0.0),
+    ]
+    evidence = with_columns(view, columns)
     # The head's far attention mass [B, K], summed in fixed point: an integer sum is exact
     # in any order, so however XLA splits the reduction over devices it gives one
     # device's result. Attention sums to 1 per query: the total stays far inside int32.

@@ -10,7 +10,7 @@ import numbers
 import jax.numpy as jnp
 
 from flsmem import validate
-from flsmem.policies.base import Observation, Params, Policy, SlotView, weight
+from flsmem.policies.base import Observation, Params, Policy, SlotView, weight, with_columns
 from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["KalmanParams", "kalman"]
@@ -94,8 +94,7 @@ def _fold_kalman(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     x = q / r
     dgain = jnp.where(first, 0.0, (dvar + x) * (r / spread) ** 2)
     dmean_new = (1.0 - gain) * dmean + dgain * innovation
-    new = jnp.stack([m_new, var_new, n + 1.0, dmean_new, dgain], axis=-1)
-    new_ev = jnp.where(view.present[..., None], new, ev)
+    new_ev = with_columns(view, [m_new, var_new, n + 1.0, dmean_new, dgain])
     if policy.params.adaptive:
         used = view.present & ~first  # slots that had a prediction to check
         aux = _adapt(policy.params.beta, aux, used, innovation, dmean, r, spread)
