@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import common, kernel, overhead, profile, pyref, report
+from bench import common, kernel, overhead, profile, pyref, report, step_trace
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -118,6 +118,13 @@ def test_tiny_runs_and_report(results):
     text = report.build()
     assert "Against a per-step Python implementation" in text and "no GPU was lent" in text
     assert "Not run yet: overhead-tiny, overhead" in text
+
+
+def test_step_trace_names_the_operations_of_the_step(capsys):
+    step_trace.main(["--n", "24", "--rows", "2", "--steps", "4", "--evict-every", "1", "--top", "5"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("h2o, N=24 rows=2 evict_every=1")
+    assert 1 < len(lines) <= 6 and all(float(line.split()[0]) >= 0 for line in lines[1:])
 
 
 def test_quick_pyref_is_one_size_on_one_core():
