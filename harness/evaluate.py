@@ -101,7 +101,7 @@ CORRECTNESS: dict[str, Callable] = {
 
 POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
-    "key_norm", "random", "ema", "rmm", "kalman", "lag_window", "use_recency",
+    "key_norm", "random", "ema", "rmm", "kalman", "adaptive", "lag_window", "use_recency",
 )
 # The learned estimator at H = 0: pretrained and still learning, pretrained and frozen,
 # and learning from a fresh network. Not in the default comparison: they need the
@@ -150,7 +150,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
 
     Accumulating policies keep a recent window of half the budget, as H2O's paper does;
     ``rmm`` gets the same window so that its only difference from ``h2o`` is the
-    correctness weighting, and so do the oracle and the learned estimator (which has no
+    correctness weighting (and ``adaptive``, which mixes the two with EMA, the same), and so do the oracle and the learned estimator (which has no
     commit lag); lags are capped at half the budget. ``expected_attention`` protects
     four sinks and no recent window, as kvpress does. ``adakv(name)`` shares each
     sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that
@@ -187,6 +187,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
         "ema": {"decay": 0.9, "recent": half},
         "rmm": {"lag": lag, "recent": half},
         "kalman": {"q": 0.01, "r": 1.0, "adaptive": True, "recent": half},
+        "adaptive": {"lag": lag, "recent": half},
         "lag_window": {"lag": lag},
         "use_recency": {"lag": lag},
     }

@@ -498,6 +498,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small subset that reproduces the ordering")
     parser.add_argument("--out", default="results/regime", help="folder for regime.json, the tables and plots")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated policies for the map alone (the full cache is always there); the lag "
+                             "sweep, the correctness signals and the retention, which study rmm's own settings, "
+                             "are left out")
     parser.add_argument("--render", action="store_true",
                         help="measure nothing: rewrite the tables and plots from the JSON already in --out")
 
@@ -532,12 +536,31 @@ def check_output(args: argparse.Namespace, stem: str) -> Path:
     return out
 
 
+def plan_for(args: argparse.Namespace) -> Plan:
+    """The plan the arguments ask for: the full or quick one, or its map alone with
+    ``--policies``.
+
+    Raises:
+      ValueError: ``--policies`` names a policy the map cannot run.
+    """
+    plan = QUICK if args.quick else FULL
+    if args.policies is None:
+        return plan
+    names = tuple(name.strip() for name in args.policies.split(",") if name.strip())
+    try:
+        return dataclasses.replace(plan, policies=names, lag_settings=(), signal_settings=(), retention_settings=())
+    except ValueError as error:
+        raise ValueError(f"--policies: {error}") from None
+
+
 def run_cli(args: argparse.Namespace) -> list[dict]:
     stem = "quick" if args.quick else "regime"
     with checking("flsmem regime"):
         out = check_output(args, stem)
-    rows, elapsed = measure_or_render(QUICK if args.quick else FULL, out, stem, args.render)
-    text = f"flsmem regime{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_tables(rows)
+        plan = plan_for(args)
+    rows, elapsed = measure_or_render(plan, out, stem, args.render)
+    options = (" --quick" if args.quick else "") + (f" --policies {','.join(plan.policies)}" if args.policies else "")
+    text = f"flsmem regime{options} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
     plot_map(rows, str(out / f"{stem}-map.png"))

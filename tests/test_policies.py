@@ -268,7 +268,7 @@ def test_nonfinite_score_falls_back_and_is_counted():
 # ------------------------------------------------------- registry and typed parameters
 
 NAMES = ("full", "window", "streaming_llm", "h2o", "tova", "ema", "rmm", "scissorhands", "snapkv",
-         "key_norm", "random", "kalman", "oracle", "lag_window", "use_recency")
+         "key_norm", "random", "kalman", "adaptive", "oracle", "lag_window", "use_recency")
 
 
 @pytest.mark.parametrize("name", NAMES)

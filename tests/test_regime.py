@@ -72,3 +72,15 @@ def test_plan_rejects_bad_settings():
         dataclasses.replace(regime.QUICK, fractions=(0.0,))
     with pytest.raises(ValueError, match="task_context must be a positive multiple of 16"):
         dataclasses.replace(regime.QUICK, task_context=250)
+
+
+def test_policies_option_runs_the_map_alone():
+    import argparse
+
+    args = argparse.Namespace(quick=False, policies="h2o, rmm,adaptive")
+    plan = regime.plan_for(args)
+    assert plan.policies == ("h2o", "rmm", "adaptive") and plan.tasks == regime.FULL.tasks
+    assert plan.lag_settings == plan.signal_settings == plan.retention_settings == ()
+    assert regime.plan_for(argparse.Namespace(quick=True, policies=None)) is regime.QUICK
+    with pytest.raises(ValueError, match=r"^--policies: policies must be among .*'nope'"):
+        regime.plan_for(argparse.Namespace(quick=True, policies="h2o,nope"))

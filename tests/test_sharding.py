@@ -1,5 +1,6 @@
 """Scale-out: a memory and its decode sharded over batch rows and KV heads on 8 devices
-give exactly what one device gives.
+give what one device gives: bit for bit, but for the rounding of the learned
+network's floats, which learn from a sum over every row.
 
 XLA's device count is fixed when jax starts, so the 8-device tests run in a child
 pytest of this same module with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
@@ -115,9 +116,22 @@ POLICIES = {
 }
 
 
-def _assert_identical(a, b):
+# The learned policy's network is shared by every row and learns from a gradient pooled
+# over all of them: sharded, that sum is taken per device and then across devices, in
+# another order than on one device, and how XLA's CPU backend orders a reduction depends
+# on the host's vector width. Its floats agree to rounding; every integer, flag and kept
+# set still agrees exactly. The other policies have no state shared across rows and are
+# compared bit for bit.
+FLOAT_TOLERANCE = {"learned": 1e-5}
+
+
+def _assert_identical(a, b, rtol=0.0):
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+        x, y, where = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+        if rtol and np.issubdtype(x.dtype, np.floating):
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol / 10, err_msg=where)
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=where)
 
 
 # Each case compiles the decode twice: the 2 x 4 mesh for most policies, batch rows
@@ -129,7 +143,8 @@ CASES = [(name, (2, 4)) for name in ("h2o", "kalman", "random", "learned")] + [(
 @pytest.mark.parametrize("name, mesh_shape", CASES, ids=[f"{n}-mesh{m[0]}x{m[1]}" for n, m in CASES])
 def test_sharded_decode_equals_one_device(name, mesh_shape):
     """Everything the memory holds (counters, the learned policy's network and optimizer
-    state included) and every decode output is bit for bit the same."""
+    state included) and every decode output is the same: bit for bit, or to rounding
+    for the learned policy's floats (:data:`FLOAT_TOLERANCE`)."""
     config = flsmem.MemoryConfig(POLICIES[name], budget=6, evict_every=2)
     fresh = flsmem.init(config, B, K, {"k": (D,), "v": (D,)})
     tables = _tables(jax.random.key(7))
@@ -145,8 +160,9 @@ def test_sharded_decode_equals_one_device(name, mesh_shape):
     blocks = (B // mesh_shape[0], K // mesh_shape[1], config.capacity)
     assert many_state.valid.sharding.shard_shape(many_state.valid.shape) == blocks
     assert len(many_state.valid.sharding.device_set) == DEVICES
-    _assert_identical(one_state, many_state)
-    np.testing.assert_array_equal(np.asarray(one_out), np.asarray(many_out))
+    rtol = FLOAT_TOLERANCE.get(name, 0.0)
+    _assert_identical(one_state, many_state, rtol)
+    _assert_identical(one_out, many_out, rtol)
     assert int(one_state.stats.evictions.sum()) > 0
 
 

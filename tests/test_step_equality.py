@@ -3,9 +3,11 @@
 Every policy runs the same random streams (one item per step, and chunks of 4) and
 the kept positions and committed scores of every row after every step are compared
 with a record taken from the step before its speed work (``data/step_record.npz``).
-A change to the step that is meant to change behaviour re-records it:
+A change to the step that is meant to change behaviour re-records it, and a new
+policy adds its cases to it (the others are left as recorded):
 
-    python tests/test_step_equality.py --record
+    python tests/test_step_equality.py --record            # every case
+    python tests/test_step_equality.py --record adaptive   # only these labels
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def build(name: str) -> policies.Policy:
     inner = name.split("(")[-1].rstrip(")")
     accepted = inspect.signature(policies.REGISTRY[inner]).parameters
     # Short windows and lags, so that a budget of a few items sees every rule at work.
-    short = {"lag": 3, "recent": 2, "history": 4, "window": 4, "sinks": 1}
+    short = {"lag": 3, "recent": 2, "history": 4, "window": 4, "sinks": 1, "horizon": 4}
     return policies.make(name, **{key: value for key, value in short.items() if key in accepted})
 
 
@@ -105,13 +107,17 @@ def test_same_kept_sets_and_scores_as_recorded(case, record):
 
 
 def main(argv: list[str]) -> int:
-    if argv != ["--record"]:
-        print(f"usage: python tests/{pathlib.Path(__file__).name} --record", file=sys.stderr)
+    labels = [case[0] for case in CASES]
+    if argv[:1] != ["--record"] or any(label not in labels for label in argv[1:]):
+        print(f"usage: python tests/{pathlib.Path(__file__).name} --record [LABEL ...]  (labels: "
+              f"{', '.join(labels)})", file=sys.stderr)
         return 2
-    arrays = {}
+    chosen = argv[1:] or labels
+    arrays = dict(np.load(RECORD)) if argv[1:] and RECORD.exists() else {}
     for label, name, evict_every, chunk in CASES:
-        arrays[f"{label}/scores"], arrays[f"{label}/held"] = run(name, evict_every, chunk)
-        print(f"recorded {label}")
+        if label in chosen:
+            arrays[f"{label}/scores"], arrays[f"{label}/held"] = run(name, evict_every, chunk)
+            print(f"recorded {label}")
     RECORD.parent.mkdir(exist_ok=True)
     np.savez_compressed(RECORD, **arrays)
     print(f"wrote {RECORD} ({RECORD.stat().st_size // 1024} KiB)")

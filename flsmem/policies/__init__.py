@@ -5,6 +5,7 @@ the policies come in families, one module each: :mod:`~flsmem.policies.recency`
 (full, window, StreamingLLM), :mod:`~flsmem.policies.accumulate` (H2O, TOVA, EMA, RMM
 and the two presets), :mod:`~flsmem.policies.windowed` (Scissorhands, SnapKV),
 :mod:`~flsmem.policies.at_write` (key norm, random), :mod:`~flsmem.policies.kalman`,
+:mod:`~flsmem.policies.adaptive` (measure or accumulate, chosen online),
 :mod:`~flsmem.policies.expected` (ExpectedAttention) and :mod:`~flsmem.policies.oracle`;
 :mod:`~flsmem.policies.budgets` wraps any of them with budgets per KV head (AdaKV) or
 per layer (PyramidKV). :data:`REGISTRY` maps each name to its factory and
@@ -23,6 +24,7 @@ from flsmem.policies.accumulate import (
     tova,
     use_recency,
 )
+from flsmem.policies.adaptive import AdaptiveParams, adaptive
 from flsmem.policies.at_write import KeyNormParams, RandomParams, key_norm, random
 from flsmem.policies.base import HEAD_REDUCTIONS, Observation, Params, Policy, SlotView
 from flsmem.policies.budgets import HeadBudget, LayerSchedule, adakv, layer_budgets, pyramid
@@ -34,6 +36,8 @@ from flsmem.policies.registry import REGISTRY, WRAPPERS, make
 from flsmem.policies.windowed import SnapKVParams, scissorhands, snapkv
 
 __all__ = [
+    "AdaptiveParams",
+    "adaptive",
     "DecayParams",
     "ExpectedAttentionParams",
     "HeadBudget",

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from flsmem import validate
 from flsmem.policies.accumulate import ema, h2o, lag_window, rmm, tova, use_recency
+from flsmem.policies.adaptive import adaptive
 from flsmem.policies.at_write import key_norm, random
 from flsmem.policies.base import Policy
 from flsmem.policies.budgets import adakv, pyramid
@@ -36,6 +37,7 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "key_norm": key_norm,
     "random": random,
     "kalman": kalman,
+    "adaptive": adaptive,
     "oracle": oracle,
     "lag_window": lag_window,
     "use_recency": use_recency,

@@ -1,0 +1,181 @@
+"""Measure or accumulate, decided online: a mixture of decayed attention sums whose
+weights follow how well each one predicted the attention the model later paid.
+
+Each slot keeps several running sums of its attention, ``e_k <- d_k e_k + (w *) a``
+(decay 1 accumulates as H2O and RMM do, decay below 1 measures recent use as EMA and
+TOVA do). Each row of the memory (one KV head of one layer of one sequence) keeps a
+weight per sum. Every ``horizon`` queries it takes a snapshot of each sum's prediction
+of where attention will go (the sum normalised over the committed items), and at each
+later query it scores the snapshot by the log-loss of the attention the query actually
+paid those items: a snapshot that gave little weight to an item the model then uses is
+charged much, which is exactly the eviction that would have hurt. The weights are
+exponential in the discounted losses (Bayes's rule on the predictions, with forgetting
+so that a row can change its mind), and the committed score is the weighted mixture of
+the current predictions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from flsmem import validate
+from flsmem.policies.base import Observation, Params, Policy, SlotView, with_columns
+from flsmem.typing import Array, Bool, Float, PyTree
+
+__all__ = ["AdaptiveParams", "adaptive", "expert_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveParams(Params):
+    """Parameters of the adaptive mixture (:func:`adaptive`).
+
+    Attributes:
+      decays: each expert's decay in [0, 1] (1 accumulates, 0 is the last query's
+        attention).
+      weighted: for each expert, whether it sums the attention weighted by the
+        correctness of the prediction made with it (RMM) or not (H2O).
+      horizon: queries between two snapshots; each snapshot is judged on the
+        attention of the ``horizon`` queries after it, so predictions are judged 1 to
+        ``horizon`` queries ahead.
+      forget: in [0, 1], the factor applied to each expert's accumulated loss at every
+        judged query (0.99 remembers about 100 queries).
+      rate: > 0, the inverse temperature of the weights (1 is Bayes's rule for the
+        log-loss).
+      floor: in (0, 1), the share of each prediction spread uniformly, so that a
+        prediction is never 0 and one surprise costs at most ``log(n / floor)``.
+    """
+
+    decays: tuple[float, ...] = (1.0, 1.0, 0.9)
+    weighted: tuple[bool, ...] = (True, False, False)
+    horizon: int = 32
+    forget: float = 0.99
+    rate: float = 1.0
+    floor: float = 1e-3
+
+    def __post_init__(self):
+        validate.require(isinstance(self.decays, (tuple, list)) and len(self.decays) >= 1,
+                         f"decays must be a non-empty tuple of numbers in [0, 1], got {self.decays!r}")
+        object.__setattr__(self, "decays", tuple(validate.unit("decays", d) for d in self.decays))
+        validate.require(isinstance(self.weighted, (tuple, list)) and len(self.weighted) == len(self.decays),
+                         f"weighted must be a tuple of {len(self.decays)} bools (one per decay), "
+                         f"got {self.weighted!r}")
+        object.__setattr__(self, "weighted", tuple(validate.boolean("weighted", w) for w in self.weighted))
+        object.__setattr__(self, "horizon", validate.positive_int("horizon", self.horizon))
+        object.__setattr__(self, "forget", validate.unit("forget", self.forget))
+        object.__setattr__(self, "rate", validate.positive("rate", self.rate))
+        floor = self.floor
+        ok = isinstance(floor, numbers.Real) and not isinstance(floor, bool) and 0.0 < floor < 1.0
+        validate.require(ok, f"floor must be a number in (0, 1), got {floor!r}")
+        object.__setattr__(self, "floor", float(floor))
+
+
+def expert_names(params: AdaptiveParams) -> tuple[str, ...]:
+    """A name per expert: ``rmm`` and ``h2o`` for the accumulating sums with and without
+    correctness weights, ``ema0.9`` (``wema0.9`` weighted) for a decayed one."""
+    names = []
+    for decay, weighted in zip(params.decays, params.weighted):
+        if decay == 1.0:
+            names.append("rmm" if weighted else "h2o")
+        else:
+            names.append(f"{'w' if weighted else ''}ema{decay:g}")
+    return tuple(names)
+
+
+def _committed(policy: Policy, view: SlotView) -> Bool[Array, "B K S"]:
+    """Slots past their protection: the only ones a score decides about."""
+    return view.present & (view.age > policy.protected_age)
+
+
+def _prediction(floor: float, total: Float[Array, "B K S"], among: Bool[Array, "B K S"]):
+    """``total`` as a distribution over the slots ``among``, a ``floor`` of it uniform;
+    uniform where the row's total is 0."""
+    count = jnp.maximum(jnp.sum(among, axis=-1, keepdims=True, dtype=jnp.float32), 1.0)
+    mass = jnp.sum(jnp.where(among, total, 0.0), axis=-1, keepdims=True)
+    share = jnp.where(mass > 0, total / jnp.where(mass > 0, mass, 1.0), 1.0 / count)
+    return (1.0 - floor) * share + floor / count
+
+
+def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
+    """Judge the last snapshot on this query's attention, fold the attention into every
+    sum, and take a new snapshot every ``horizon`` queries."""
+    p = policy.params
+    n = len(p.decays)
+    ev = view.evidence
+    losses, snapshot_step = aux[..., :n], aux[..., n]
+
+    # The items the snapshot predicted for: held since it was taken and committed then
+    # (an item born later, in a reused slot, is not the one it saw).
+    since = snapshot_step[..., None] + 1.0 - view.birth.astype(jnp.float32)
+    judged = view.present & (snapshot_step[..., None] >= 0) & (since > policy.protected_age)
+    used = jnp.where(judged, obs.attention, 0.0)
+    mass = jnp.sum(used, axis=-1)
+    target = used / jnp.where(mass > 0, mass, 1.0)[..., None]
+    loss = jnp.stack([-jnp.sum(target * ev[..., n + k], axis=-1) for k in range(n)], axis=-1)
+    losses = jnp.where((mass > 0)[..., None], p.forget * losses + loss, losses)
+
+    sums = [decay * ev[..., k] + (obs.weight[:, None, None] if weighted else 1.0) * obs.attention
+            for k, (decay, weighted) in enumerate(zip(p.decays, p.weighted))]
+    committed = _committed(policy, view)
+    take = (view.step % p.horizon == 0)[:, None, None]
+    logs = [jnp.where(take, jnp.log(_prediction(p.floor, s, committed)), ev[..., n + k])
+            for k, s in enumerate(sums)]
+    snapshot_step = jnp.where(take[..., 0], view.step[:, None].astype(jnp.float32), snapshot_step)
+    aux = jnp.concatenate([losses, snapshot_step[..., None]], axis=-1)
+    return with_columns(view, sums + logs), aux
+
+
+def _weights(policy: Policy, aux: PyTree) -> Float[Array, "B K N"]:
+    n = len(policy.params.decays)
+    return jax.nn.softmax(-policy.params.rate * aux[..., :n], axis=-1)
+
+
+def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
+    """The weighted mixture of the experts' current predictions."""
+    p = policy.params
+    committed = _committed(policy, view)
+    weights = _weights(policy, aux)
+    return sum(weights[..., k, None] * _prediction(p.floor, view.evidence[..., k], committed)
+               for k in range(len(p.decays)))
+
+
+def _init_aux(policy: Policy, batch: int, kv_heads: int, slots: int) -> Float[Array, "B K N1"]:
+    """No loss yet (equal weights) and no snapshot (step -1)."""
+    n = len(policy.params.decays)
+    return jnp.concatenate([jnp.zeros((batch, kv_heads, n), jnp.float32),
+                            jnp.full((batch, kv_heads, 1), -1.0, jnp.float32)], axis=-1)
+
+
+def _monitor(policy: Policy, aux: PyTree) -> dict[str, Array]:
+    """Each expert's weight, averaged over the KV heads of a row."""
+    weights = jnp.mean(_weights(policy, aux), axis=1)
+    return {f"weight_{name}": weights[:, k] for k, name in enumerate(expert_names(policy.params))}
+
+
+def adaptive(
+    lag: int = 16, *, recent: int = 0, decays: tuple[float, ...] = (1.0, 1.0, 0.9),
+    weighted: tuple[bool, ...] = (True, False, False), horizon: int = 32, forget: float = 0.99,
+    rate: float = 1.0, floor: float = 1e-3,
+) -> Policy:
+    """Measure or accumulate, chosen online per row (a KV head of a layer of a sequence).
+
+    Rule: each slot keeps one decayed attention sum per expert, ``e_k <- d_k e_k +
+    (w *) a`` (by default RMM's correctness-weighted sum, H2O's sum and EMA at 0.9).
+    Every ``horizon`` queries each expert's prediction ``q_k = e_k / sum e_k`` over the
+    committed items (a ``floor`` of it uniform) is saved; each later query's attention
+    over those items, normalised, charges expert k the log-loss ``-sum p log q_k``. The
+    losses are discounted by ``forget`` and the weights are ``softmax(-rate * loss)``;
+    score = ``sum_k weight_k q_k`` of the current predictions. A new item is protected
+    for the commit lag ``lag`` as in :func:`~flsmem.policies.rmm`. With one expert it
+    keeps what that expert's policy keeps. :func:`flsmem.summary` reports each expert's
+    weight per sequence (``weight_rmm``, ``weight_h2o``, ...).
+    """
+    params = AdaptiveParams(decays=tuple(decays), weighted=tuple(weighted), horizon=horizon, forget=forget,
+                            rate=rate, floor=floor)
+    return Policy(
+        name="adaptive", score=_score, fold=_fold, init_aux=_init_aux, monitor=_monitor,
+        num_evidence=2 * len(params.decays), recent=recent, lag=lag, params=params,
+    )
