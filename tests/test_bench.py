@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import common, kernel, overhead, profile, pyref, report, step_trace
+from bench import adaptive_weights, common, kernel, overhead, profile, pyref, report, step_trace
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -137,3 +137,14 @@ def test_quick_overhead_runs_on_one_core_unless_told():
     assert overhead.parse(["--quick", "--cores", "1"]).cores == 1
     assert overhead.parse([]).cores is None
     assert overhead.parse(["--quick", "--cores", "all"]).cores == len(os.sched_getaffinity(0))
+
+
+def test_adaptive_weights_are_a_distribution_per_layer(tmp_path, capsys):
+    adaptive_weights.main(["--model", "tiny", "--context", "64", "--windows", "1", "--budgets", "16",
+                           "--out", str(tmp_path / "weights")])
+    run = json.loads((tmp_path / "weights.json").read_text())["runs"]["16"]
+    weights = np.asarray(run["weights"])
+    assert run["experts"] == ["rmm", "h2o", "ema0.9"] and weights.shape == (4, 3)
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
+    assert (tmp_path / "weights.png").stat().st_size > 0
+    assert "final weight of each expert per layer" in capsys.readouterr().out

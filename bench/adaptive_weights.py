@@ -1,0 +1,91 @@
+"""Which expert the adaptive policy follows, per layer: measure or accumulate, as each
+layer of a real model answers it online.
+
+Streams the windows ``flsmem eval`` streams (the same text, context and spacing) under
+``adaptive`` at each budget, and prints each expert's weight at the end of the window,
+averaged over windows and KV heads, for every layer; the plot shows the same as one
+panel per budget.
+
+    python -m bench.adaptive_weights --model smollm2-135m --out results/adaptive/weights-smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import numpy as np
+
+from flsmem.harness.evaluate import evaluate_nll, make_policy
+from flsmem.models import catalog
+from flsmem.models.data import cut_windows, load_book
+from flsmem.policies.adaptive import expert_names
+
+
+def layer_weights(model, windows: np.ndarray, budget: int, chunk: int) -> tuple[tuple[str, ...], np.ndarray, float]:
+    """``(experts, weights [L, N], nll)``: each expert's final weight per layer (mean over
+    windows and KV heads) and the mean NLL of the run."""
+    policy = make_policy("adaptive", budget, model=model.cfg)
+    nll, stats = evaluate_nll(model, windows, policy, budget, chunk=chunk)
+    n = len(policy.params.decays)
+    losses = np.asarray(stats["aux"])[..., :n]  # [L, W, K, N]
+    weights = np.asarray(jax.nn.softmax(-policy.params.rate * losses, axis=-1)).mean(axis=(1, 2))
+    return expert_names(policy.params), weights, float(nll.mean())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.adaptive_weights", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--text", default="persuasion", help="a bundled book")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--budgets", default="64,128,256", help="comma-separated item counts")
+    parser.add_argument("--evict-every", type=int, default=16)
+    parser.add_argument("--out", required=True, help="path stem: writes STEM.json and STEM.png")
+    args = parser.parse_args(argv)
+    model, tokenizer = catalog.load(args.model)
+    windows = cut_windows(tokenizer.encode(load_book(args.text)), args.context, args.windows, spacing="spread",
+                          exact=True)
+    runs = {}
+    for budget in (int(b) for b in args.budgets.split(",")):
+        experts, weights, nll = layer_weights(model, windows, budget, args.evict_every)
+        runs[budget] = {"experts": experts, "weights": weights.tolist(), "nll": nll}
+        print(f"adaptive at {budget} of {args.context} (nll {nll:.4f}): final weight of each expert per layer")
+        print("layer  " + "  ".join(f"{name:>7}" for name in experts))
+        for layer, row in enumerate(weights):
+            print(f"{layer:5d}  " + "  ".join(f"{w:7.3f}" for w in row))
+        print("mean   " + "  ".join(f"{w:7.3f}" for w in weights.mean(axis=0)))
+        print()
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"model": args.model, "text": args.text, "context": args.context,
+                                                    "windows": args.windows, "runs": runs}, indent=1) + "\n")
+    plot(runs, args, out.with_suffix(".png"))
+
+
+def plot(runs: dict, args, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.4 * len(runs), 3.2), squeeze=False, sharey=True)
+    for ax, (budget, run) in zip(axes[0], runs.items()):
+        weights = np.asarray(run["weights"])
+        for k, name in enumerate(run["experts"]):
+            ax.plot(np.arange(len(weights)), weights[:, k], marker="o", ms=3, label=name)
+        ax.set_title(f"budget {budget} of {args.context}", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("final weight (mean over windows, KV heads)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"adaptive on {args.model}, {args.windows} x {args.context} tokens of {args.text}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
