@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from flsmem.checkpoint import save_tree
 from flsmem.estimator.evidence import FEATURES
 from flsmem.estimator.learner import learned
 from flsmem.estimator.network import Weights, hidden_of, param_shapes
@@ -25,13 +26,11 @@ def save(path, params: PyTree, settings: dict | None = None) -> None:
     """Write estimator parameters to the directory ``path`` (created; it must not
     exist): an orbax checkpoint in ``path/params`` and, when given, the ``settings``
     they were trained with (horizon, label, ...) in ``path/settings.json``."""
-    import orbax.checkpoint as ocp
-
     root = _absolute(path)
     if root.exists():
         raise ValueError(f"estimator checkpoint {str(path)!r} exists; choose a new directory")
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(root / "params", jax.tree.map(np.asarray, params))
+    # flsmem.checkpoint's writer: atomic, and no trace of the writer's paths in the files.
+    save_tree(root / "params", jax.tree.map(np.asarray, params), what="estimator checkpoint")
     if settings is not None:
         (root / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
