@@ -34,6 +34,9 @@ def test_resume_refuses_other_settings(tmp_path):
     with pytest.raises(ValueError, match="written with settings"):
         T.train(_options(tmp_path, batches=2, horizon=16))
     T.train(_options(tmp_path, batches=2))  # more batches of the same run are fine
+    with pytest.raises(ValueError, match="below the 2 batches"):  # fewer are not
+        T.train(_options(tmp_path, batches=1, out=str(tmp_path / "out")))
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

@@ -255,6 +255,10 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     policy, learned = _fresh(options)
     checkpoints = Checkpoints(Path(options.workdir).absolute(), options.keep, options.run_settings())
     start, learned, _ = checkpoints.resume(learned, options.resume)
+    if start > options.batches:
+        # Its parameters have seen more batches than asked for: exporting them would mislabel them.
+        raise ValueError(f"batches {options.batches} is below the {start} batches the checkpoint in "
+                         f"{checkpoints.workdir} has streamed; raise batches, or start afresh (--no-resume)")
     learned, interrupted = _batches(options, policy, learned, start, checkpoints, should_stop)
     if interrupted:
         print("stopped early; the same command resumes from the checkpoint just saved")
