@@ -9,6 +9,18 @@ units; tokens within a window are not).
 
 prints a markdown table, one row per pair and budget (negative: the first policy is
 better).
+
+A learned policy is pretrained with several seeds and each checkpoint is measured in
+its own run on the same windows. With ``--seeds``, the first policy of each pair is read
+from every seed's run and the second from the main run:
+
+    python -m flsmem.harness.paired results/adaptive/smollm2-stream.json "learned-h2o" \
+        --seeds results/learned-smollm2/seed0.json results/learned-smollm2/seed1.json ...
+
+gives each seed's increase over the full cache, their mean ± sd, and the paired
+difference of the seeds' mean NLL per window from the second policy's, with its
+interval over windows. The runs must hold the same windows (their full-cache NLL per
+window must agree).
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["paired_difference", "table", "main"]
+__all__ = ["paired_difference", "table", "seeds_table", "main"]
 
 RESAMPLES = 10_000
 
@@ -56,6 +68,44 @@ def table(run: dict, pairs: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) -> str:
+    """Markdown rows ``| first − second | budget | first's increase over full per seed |
+    mean ± sd | difference of the seeds' mean [95% interval] | seeds better |``: the first
+    policy of each pair from every run of ``seed_runs``, the second from ``run``.
+
+    Raises:
+      ValueError: a seed run holds other windows than ``run``, or lacks a policy.
+    """
+    def rows_of(r: dict) -> dict:
+        return {(row["policy"], row["budget"]): row for row in r["rows"]}
+
+    base = rows_of(run)
+    full = next(row for row in run["rows"] if row["policy"] == "full")
+    seeds = [rows_of(r) for r in seed_runs]
+    for i, r in enumerate(seed_runs):
+        other = next(row for row in r["rows"] if row["policy"] == "full")
+        if not np.allclose(other["window_nll"], full["window_nll"], rtol=0, atol=1e-5):
+            raise ValueError(f"seed run {i} holds other windows than the main run (its full-cache NLL differs)")
+    budgets = sorted({row["budget"] for row in run["rows"] if row["policy"] != "full"})
+    lines = ["| pair | budget | increase over full, per seed | mean ± sd | difference of the seeds' mean | "
+             "95% interval | seeds better |", "|---|---|---|---|---|---|---|"]
+    for first, second in pairs:
+        for budget in budgets:
+            theirs = base.get((second, budget))
+            ours = [s.get((first, budget)) for s in seeds]
+            if theirs is None or any(o is None for o in ours):
+                continue
+            increase = np.array([o["nll"] - full["nll"] for o in ours])
+            mean_windows = np.mean([o["window_nll"] for o in ours], axis=0)
+            mean, low, high = paired_difference(list(mean_windows), theirs["window_nll"])
+            better = sum(o["nll"] < theirs["nll"] for o in ours)
+            per_seed = ", ".join(f"{x:+.4f}" for x in increase)
+            lines.append(f"| {first} − {second} | {budget} | {per_seed} | {increase.mean():+.4f} ± "
+                         f"{increase.std(ddof=1) if len(ours) > 1 else 0.0:.4f} | {mean:+.4f} | "
+                         f"[{low:+.4f}, {high:+.4f}] | {better} of {len(ours)} |")
+    return "\n".join(lines)
+
+
 def _pair(text: str) -> tuple[str, str]:
     # Names hold parentheses but no "-": split at the first "-" outside parentheses.
     depth = 0
@@ -70,13 +120,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flsmem.harness.paired", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="the JSON file of a flsmem eval run (--json)")
     parser.add_argument("pairs", nargs="+", type=_pair, help="FIRST-SECOND policy names, as in adakv(h2o)-h2o")
+    parser.add_argument("--seeds", nargs="+", default=None, metavar="JSON",
+                        help="runs of one seed each: the first policy of each pair is read from them")
     args = parser.parse_args(argv)
-    path = Path(args.run)
+    current = args.run
     try:
-        run = json.loads(path.read_text())
-        print(table(run, args.pairs))
+        run = json.loads(Path(current).read_text())
+        if args.seeds is None:
+            print(table(run, args.pairs))
+            return
+        seed_runs = []
+        for current in args.seeds:
+            seed_runs.append(json.loads(Path(current).read_text()))
+        current = args.run
+        print(seeds_table(run, seed_runs, args.pairs))
     except (OSError, ValueError, KeyError) as error:
-        print(f"paired: error: {args.run}: {error}", file=sys.stderr)
+        print(f"paired: error: {current}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
