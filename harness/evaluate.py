@@ -46,6 +46,8 @@ __all__ = [
     "LEARNED_NAMES",
     "POLICY_NAMES",
     "learned_policy",
+    "estimator_for",
+    "check_estimator",
     "make_policy",
     "is_policy_name",
     "PEER_NAMES",
@@ -113,6 +115,26 @@ PEER_NAMES = ("expected_attention",)
 BUDGET_WRAPPERS = ("adakv", "pyramid")
 ADAKV_FLOOR = 0.2
 ESTIMATOR_DIR = Path(str(resources.files("flsmem.checkpoints"))) / "estimator"
+# Estimators pretrained on one model's own traces; every other model gets ESTIMATOR_DIR.
+MODEL_ESTIMATORS = {"smollm2-135m": ESTIMATOR_DIR.parent / "estimator-smollm2"}
+
+
+def estimator_for(model: str) -> Path:
+    """The shipped estimator checkpoint that the learned policies use on ``model`` (a name
+    of :data:`flsmem.models.catalog.MODELS` or a GGUF path): its own where one was
+    pretrained on its traces (:data:`MODEL_ESTIMATORS`), else :data:`ESTIMATOR_DIR`."""
+    return MODEL_ESTIMATORS.get(model, ESTIMATOR_DIR)
+
+
+def check_estimator(path: str | None) -> None:
+    """The ``--estimator`` option: None (the shipped one) or a checkpoint folder.
+
+    Raises:
+      ValueError: naming ``--estimator``, when ``path`` holds no ``params/`` folder.
+    """
+    if path is not None and not (Path(path) / "params").is_dir():
+        raise ValueError(f"--estimator must be a folder holding an estimator checkpoint (a params/ folder), "
+                         f"got {path!r}")
 
 
 def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
@@ -378,11 +400,13 @@ def run_comparison(
     prefill_fraction: float = 0.75,
     progress: Callable[[str], None] | None = None,
     on_stats: Callable[[str, int, dict], None] | None = None,
+    estimator: str | None = None,
 ) -> list[Row]:
     """Every policy at every budget on the same windows; full cache once.
 
     ``on_stats(policy, budget, stats)``, when given, receives each run's memory summary
-    (see :func:`evaluate_windows`), so monitoring needs no second run."""
+    (see :func:`evaluate_windows`), so monitoring needs no second run. ``estimator`` is
+    the learned policies' checkpoint (see :func:`make_policy`)."""
     if protocol not in ("stream", "prefill"):
         raise ValueError(f"protocol must be 'stream' or 'prefill', got {protocol!r}")
     steps = windows.shape[1] - 1
@@ -398,7 +422,7 @@ def run_comparison(
     def measure(name: str, budget: int) -> Row:
         if progress:
             progress(f"{name} @ {budget}")
-        policy = make_policy(name, budget, model=model.cfg)
+        policy = make_policy(name, budget, estimator=estimator, model=model.cfg)
         nll, stats = evaluate_nll(model, windows, policy, budget, chunk=chunk, correctness=correctness,
                                   prefill=prefill, futures=futures)
         if on_stats:

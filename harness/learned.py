@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 
 from flsmem.harness import regime
 from flsmem.harness.arguments import checking
-from flsmem.validate import require
 
 __all__ = ["POLICIES", "FULL", "QUICK", "targets", "format_report", "main"]
 
@@ -97,12 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
+    from flsmem.harness.evaluate import check_estimator
+
     stem = "quick" if args.quick else "learned"
     with checking("flsmem learned"):
         out = regime.check_output(args, stem)
-        require(args.estimator is None or (Path(args.estimator) / "params").is_dir(),
-                f"--estimator must be a folder holding an estimator checkpoint (a params/ folder), "
-                f"got {args.estimator!r}")
+        check_estimator(args.estimator)
     plan = dataclasses.replace(QUICK if args.quick else FULL, estimator=args.estimator)
     rows, elapsed = regime.measure_or_render(plan, out, stem, args.render)
     text = f"flsmem learned{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_report(rows)

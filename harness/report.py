@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
     parser.add_argument("--quick", action="store_true",
                         help=f"a one-minute smoke run: {QUICK_HELP} (overrides those options)")
+    parser.add_argument("--estimator", default=None, metavar="DIR",
+                        help="estimator checkpoint of the learned policies (default: the one shipped for --model, "
+                             "checkpoints/estimator-smollm2 for smollm2-135m, else checkpoints/estimator)")
     parser.add_argument("--stats", action="store_true",
                         help="also print each policy's memory statistics (flsmem.summary: evictions, mean age and "
                              "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
@@ -81,7 +84,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import BUDGET_WRAPPERS, CORRECTNESS, LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, is_policy_name
+    from flsmem.harness.evaluate import (BUDGET_WRAPPERS, CORRECTNESS, LEARNED_NAMES, PEER_NAMES, POLICY_NAMES,
+                                         check_estimator, is_policy_name)
     from flsmem.models.data import books
 
     catalog.check(args.model)
@@ -109,6 +113,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     require(args.protocol != "prefill" or 0 < prefill < context,
             f"--prefill-fraction {fraction} leaves no prefix or no continuation at --context {context}: "
             f"the prefix is rounded to a multiple of --evict-every ({every}), here {prefill}")
+    check_estimator(args.estimator)
     for option in ("plot", "json"):
         path = getattr(args, option)
         require(not path or Path(path).absolute().parent.is_dir(),
@@ -141,7 +146,7 @@ def load_text(source: str) -> str:
 
 
 def run(args: argparse.Namespace) -> list:
-    from flsmem.harness.evaluate import run_comparison
+    from flsmem.harness.evaluate import estimator_for, run_comparison
     if args.quick:
         vars(args).update(QUICK)
     with checking(COMMAND):
@@ -165,6 +170,7 @@ def run(args: argparse.Namespace) -> list:
         correctness=args.correctness, protocol=args.protocol, prefill_fraction=args.prefill_fraction,
         progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
         on_stats=keep_stats if args.stats else None,
+        estimator=str(args.estimator or estimator_for(args.model)),
     )
     elapsed = time.perf_counter() - begin
     # Files are named by their name alone: a table should not carry the machine's folders.

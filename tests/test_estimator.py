@@ -119,6 +119,8 @@ def test_checkpoint_round_trips_bit_exactly(tmp_path):
     E.save(tmp_path / "estimator", params, {"horizon": 8})
     weights = E.load(tmp_path / "estimator")
     assert E.load_settings(tmp_path / "estimator") == {"horizon": 8}
+    # A checkpoint to ship carries no trace of the writer's paths (orbax's commit markers).
+    assert not list((tmp_path / "estimator").rglob("commit_success.txt"))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(weights.params)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), b)
@@ -276,6 +278,22 @@ def test_the_harness_variants_share_the_shipped_settings():
     assert variants["learned"].params.weights == shipped and variants["learned"].params.online
     assert variants["learned_offline"].params.weights == shipped and not variants["learned_offline"].params.online
     assert variants["learned_scratch"].params.weights is None and variants["learned_scratch"].params.online
+
+
+def test_smollm2_has_its_own_shipped_estimator():
+    """The checkpoint ``flsmem eval --model smollm2-135m`` uses was pretrained on SmolLM2's
+    traces alone, with the general one's settings otherwise, and the learned variants
+    load it."""
+    from flsmem.harness.evaluate import ESTIMATOR_DIR, estimator_for, make_policy
+
+    own = estimator_for("smollm2-135m")
+    assert own != ESTIMATOR_DIR and estimator_for("tiny") == ESTIMATOR_DIR
+    settings, general = E.load_settings(own), E.load_settings(ESTIMATOR_DIR)
+    assert settings["sources"] == ["smollm2"]
+    assert {k: settings[k] for k in general if k not in ("sources", "seed")} == \
+        {k: v for k, v in general.items() if k not in ("sources", "seed")}
+    policy = make_policy("learned", 64, estimator=str(own))
+    assert policy.params.weights == E.load(own) and policy.params.weights != E.load(ESTIMATOR_DIR)
 
 
 # ------------------------------------------------------ several snapshots in flight

@@ -133,6 +133,33 @@ def test_flsmem_eval_end_to_end(tmp_path, capsys):
     assert plot.stat().st_size > 10_000
 
 
+def test_eval_gives_the_learned_policies_the_models_own_estimator(monkeypatch, capsys):
+    """``flsmem eval --model smollm2-135m`` hands the learned policies the estimator
+    pretrained on SmolLM2's traces; other models get the general one; ``--estimator``
+    overrides both. The model and the measuring are stand-ins: only the wiring is tested."""
+    from flsmem.harness import evaluate
+    from flsmem.harness.cli import main
+    from flsmem.models import catalog
+    from flsmem.models.data import ByteTokenizer
+
+    given = []
+
+    def record(*args, estimator=None, **kwargs):
+        given.append(estimator)
+        return [evaluate.Row("full", 64, 1.0, 1.0)]
+
+    monkeypatch.setattr(catalog, "load_tokenizer", lambda name: ByteTokenizer())
+    monkeypatch.setattr(catalog, "load", lambda name: (MODEL, ByteTokenizer()))
+    monkeypatch.setattr(evaluate, "run_comparison", record)
+    common = ["eval", "--policies", "learned", "--context", "64", "--windows", "1", "--plot", ""]
+    main(common + ["--model", "smollm2-135m"])
+    main(common + ["--model", "tiny"])
+    main(common + ["--model", "smollm2-135m", "--estimator", str(evaluate.ESTIMATOR_DIR)])
+    capsys.readouterr()
+    assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR),
+                     str(evaluate.ESTIMATOR_DIR)]
+
+
 # ------------------------------------------------- bad arguments of the commands
 
 BAD_ARGUMENTS = {
@@ -169,6 +196,7 @@ BAD_ARGUMENTS = {
     "prefill fraction negative": (["eval", "--prefill-fraction", "-0.5"], "--prefill-fraction"),
     "prefill with no prefix": (["eval", "--protocol", "prefill", "--context", "64", "--prefill-fraction", "0.1"],
                                "--prefill-fraction"),
+    "estimator missing": (["eval", "--estimator", "{tmp}/no-estimator"], "--estimator"),
     "json in no folder": (["eval", "--json", "{tmp}/missing/rows.json"], "--json"),
     "plot in no folder": (["eval", "--plot", "{tmp}/missing/plot.png"], "--plot"),
     "regime render with nothing saved": (["regime", "--render", "--out", "{tmp}/empty"], "--render"),
@@ -247,3 +275,22 @@ def test_paired_differences_pair_windows():
     assert _pair("adakv(h2o)-h2o") == ("adakv(h2o)", "h2o")
     lines = table(run, [("adakv(h2o)", "h2o")]).splitlines()
     assert lines[2].startswith("| adakv(h2o) − h2o | 8 | -0.2500 |") and lines[2].endswith("| 1 of 2 |")
+
+
+def test_seeds_table_averages_the_seeds_runs_window_by_window():
+    from flsmem.harness.paired import seeds_table
+
+    full = {"policy": "full", "budget": 32, "nll": 1.0, "window_nll": [1.0, 1.0]}
+    run = {"rows": [full, {"policy": "h2o", "budget": 8, "nll": 1.5, "window_nll": [1.5, 1.5]}]}
+
+    def seed(a, b):
+        return {"rows": [full, {"policy": "learned", "budget": 8, "nll": (a + b) / 2, "window_nll": [a, b]}]}
+
+    # Seeds' increases over full: +0.2 and +0.6 (mean 0.4, sd 0.2828); their mean per
+    # window is [1.2, 1.6], 0.1 below h2o on average; one seed of two beats h2o.
+    line = seeds_table(run, [seed(1.1, 1.3), seed(1.3, 1.9)], [("learned", "h2o")]).splitlines()[2]
+    assert line.startswith("| learned − h2o | 8 | +0.2000, +0.6000 | +0.4000 ± 0.2828 | -0.1000 |"), line
+    assert line.endswith("| 1 of 2 |")
+    other = {"rows": [{**full, "window_nll": [1.0, 1.1]}, seed(1.1, 1.3)["rows"][1]]}
+    with pytest.raises(ValueError, match="other windows"):
+        seeds_table(run, [other], [("learned", "h2o")])
