@@ -83,9 +83,10 @@ def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) 
     full = next(row for row in run["rows"] if row["policy"] == "full")
     seeds = [rows_of(r) for r in seed_runs]
     for i, r in enumerate(seed_runs):
-        other = next(row for row in r["rows"] if row["policy"] == "full")
-        if not np.allclose(other["window_nll"], full["window_nll"], rtol=0, atol=1e-5):
-            raise ValueError(f"seed run {i} holds other windows than the main run (its full-cache NLL differs)")
+        other = next(row for row in r["rows"] if row["policy"] == "full")["window_nll"]
+        if len(other) != len(full["window_nll"]) or not np.allclose(other, full["window_nll"], rtol=0, atol=1e-5):
+            raise ValueError(f"--seeds run {i + 1} holds other windows than the main run (its full-cache NLL "
+                             f"per window differs)")
     budgets = sorted({row["budget"] for row in run["rows"] if row["policy"] != "full"})
     lines = ["| pair | budget | increase over full, per seed | mean ± sd | difference of the seeds' mean | "
              "95% interval | seeds better |", "|---|---|---|---|---|---|---|"]
