@@ -1,10 +1,10 @@
 """Which expert the adaptive policy follows, per layer: measure or accumulate, as each
 layer of a real model answers it online.
 
-Streams the windows ``flsmem eval`` streams (the same text, context and spacing) under
-``adaptive`` at each budget, and prints each expert's weight at the end of the window,
-averaged over windows and KV heads, for every layer; the plot shows the same as one
-panel per budget.
+Streams the windows ``flsmem eval`` streams (the same text, context and spacing, and
+the same BOS for models that expect one) under ``adaptive`` at each budget, and prints
+each expert's weight at the end of the window, averaged over windows and KV heads, for
+every layer; the plot shows the same as one panel per budget.
 
     python -m bench.adaptive_weights --model smollm2-135m --out results/adaptive/weights-smollm2
 """
@@ -19,8 +19,9 @@ import jax
 import numpy as np
 
 from flsmem.harness.evaluate import evaluate_nll, make_policy
+from flsmem.harness.report import eval_windows
 from flsmem.models import catalog
-from flsmem.models.data import cut_windows, load_book
+from flsmem.models.data import load_book
 from flsmem.policies.adaptive import expert_names
 
 
@@ -46,8 +47,8 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="path stem: writes STEM.json and STEM.png")
     args = parser.parse_args(argv)
     model, tokenizer = catalog.load(args.model)
-    windows = cut_windows(tokenizer.encode(load_book(args.text)), args.context, args.windows, spacing="spread",
-                          exact=True)
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    windows = eval_windows(args, tokenizer.encode(load_book(args.text)), bos)
     runs = {}
     for budget in (int(b) for b in args.budgets.split(",")):
         experts, weights, nll = layer_weights(model, windows, budget, args.evict_every)

@@ -16,7 +16,7 @@ from flsmem.harness.arguments import checking, read_text
 from flsmem.models import catalog
 from flsmem.validate import one_of, positive_int, require
 
-__all__ = ["add_arguments", "check_arguments", "run", "parse_budgets",
+__all__ = ["add_arguments", "check_arguments", "run", "parse_budgets", "eval_windows",
            "summarise_stats", "format_stats"]
 
 COMMAND = "flsmem eval"
@@ -121,8 +121,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     return policies, budgets, prefill
 
 
-def _windows(args: argparse.Namespace, tokens: np.ndarray, bos: int | None = None) -> np.ndarray:
-    """The evaluation windows; with ``bos``, each starts with it in place of its first
+def eval_windows(args: argparse.Namespace, tokens: np.ndarray, bos: int | None = None) -> np.ndarray:
+    """The evaluation windows of ``args`` (``context``, ``windows``, ``text``); with ``bos``, each starts with it in place of its first
     token, as llama.cpp's perplexity does for models that expect one (Gemma)."""
     from flsmem.models.data import cut_windows
 
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> list:
     # The model file and the windows are checked against the text before the model loads.
     with checking(COMMAND):
         tokenizer = catalog.load_tokenizer(args.model)
-        windows = _windows(args, tokenizer.encode(load_text(args.text)), tokenizer.bos_id if tokenizer.add_bos else None)
+        windows = eval_windows(args, tokenizer.encode(load_text(args.text)), tokenizer.bos_id if tokenizer.add_bos else None)
     model, _ = catalog.load(args.model)
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
