@@ -48,9 +48,14 @@ def paired_difference(a: list[float], b: list[float], seed: int = 0) -> tuple[fl
     return float(diff.mean()), float(low), float(high)
 
 
+def _by_policy(run: dict) -> dict[tuple[str, int], dict]:
+    """A run's rows by ``(policy, budget)``."""
+    return {(r["policy"], r["budget"]): r for r in run["rows"]}
+
+
 def table(run: dict, pairs: list[tuple[str, str]]) -> str:
     """Markdown rows ``| first - second | budget | difference [95% interval] | windows better |``."""
-    rows = {(r["policy"], r["budget"]): r for r in run["rows"]}
+    rows = _by_policy(run)
     budgets = sorted({r["budget"] for r in run["rows"] if r["policy"] != "full"})
     lines = ["| pair | budget | difference in NLL (nats/token) | 95% interval | windows where the first is better |",
              "|---|---|---|---|---|"]
@@ -76,12 +81,9 @@ def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) 
     Raises:
       ValueError: a seed run holds other windows than ``run``, or lacks a policy.
     """
-    def rows_of(r: dict) -> dict:
-        return {(row["policy"], row["budget"]): row for row in r["rows"]}
-
-    base = rows_of(run)
+    base = _by_policy(run)
     full = next(row for row in run["rows"] if row["policy"] == "full")
-    seeds = [rows_of(r) for r in seed_runs]
+    seeds = [_by_policy(r) for r in seed_runs]
     for i, r in enumerate(seed_runs):
         other = next(row for row in r["rows"] if row["policy"] == "full")["window_nll"]
         if len(other) != len(full["window_nll"]) or not np.allclose(other, full["window_nll"], rtol=0, atol=1e-5):

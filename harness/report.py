@@ -122,8 +122,9 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
 
 
 def eval_windows(args: argparse.Namespace, tokens: np.ndarray, bos: int | None = None) -> np.ndarray:
-    """The evaluation windows of ``args`` (``context``, ``windows``, ``text``); with ``bos``, each starts with it in place of its first
-    token, as llama.cpp's perplexity does for models that expect one (Gemma)."""
+    """The evaluation windows of ``args`` (``context``, ``windows``, ``text``); with
+    ``bos``, each starts with it in place of its first token, as llama.cpp's perplexity
+    does for models that expect one (Gemma)."""
     from flsmem.models.data import cut_windows
 
     try:
