@@ -1,4 +1,4 @@
-"""The ``flsmem`` command line: ``demo``, ``eval``, ``generate``, ``regime``, ``learned`` and ``ruler``.
+"""The ``flsmem`` command line: ``demo``, ``eval``, ``generate``, ``regime``, ``learned``, ``shift`` and ``ruler``.
 
 It drives the layers above the library (models and the evaluation harness), so it lives
 with them; the library itself never imports it."""
@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     learned = commands.add_parser(
         "learned", help="the learned estimator against rmm, h2o, tova, snapkv and the oracle, tasks and text"
     )
+    shift = commands.add_parser(
+        "shift", help="an estimator pretrained off the tasks, served on them: does online learning close the gap?"
+    )
     generate = commands.add_parser(
         "generate", help="continue prompts with a bounded KV cache, printing tokens as they come"
     )
@@ -52,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from flsmem.harness import generate as generate_module
     from flsmem.harness import learned as learned_module
     from flsmem.harness import regime as regime_module
+    from flsmem.harness import shift as shift_module
     from flsmem.harness.arguments import usage_error
     from flsmem.harness.report import add_arguments
     from flsmem.harness.ruler import run as ruler_module
@@ -59,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_arguments(evaluate)
     regime_module.add_arguments(regime)
     learned_module.add_arguments(learned)
+    shift_module.add_arguments(shift)
     generate_module.add_arguments(generate)
     ruler_module.add_arguments(ruler)
     args = parser.parse_args(argv)
@@ -76,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         generate_module.run(args, functools.partial(usage_error, "flsmem generate"))
     elif args.command == "learned":
         learned_module.run_cli(args)
+    elif args.command == "shift":
+        shift_module.run_cli(args)
     elif args.command == "ruler":
         ruler_module.run_cli(args)
     else:

@@ -37,7 +37,7 @@ from flsmem import policies as P
 from flsmem.harness.arguments import checking
 from flsmem.validate import require
 
-__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "run", "winners", "check_output", "main"]
+__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "tasks_model", "task_setting", "run", "winners", "check_output", "main"]
 
 MAP_POLICIES = ("oracle", "rmm", "h2o", "tova", "streaming_llm", "snapkv", "ema", "kalman")
 RETENTION_POLICIES = ("oracle", "rmm", "h2o")
@@ -121,7 +121,8 @@ QUICK = Plan(
 )
 
 
-def _tasks_model():
+def tasks_model():
+    """The decoder trained on the controlled tasks (``checkpoints/tiny-tasks``)."""
     from flsmem.models.tiny import TASKS_CHECKPOINT_DIR, load_tiny
 
     return load_tiny(TASKS_CHECKPOINT_DIR)[0]
@@ -166,7 +167,9 @@ class _Setting:
         return {"value": float(values.mean()), "per_seed": per_group}
 
 
-def _task_setting(kind: str, plan: Plan, model) -> _Setting:
+def task_setting(kind: str, plan: Plan, model) -> _Setting:
+    """The test-split examples of task ``kind`` that ``plan`` draws (``plan.examples`` per
+    seed of ``plan.seeds``), scored by answer accuracy after the gap."""
     from flsmem.models.data import ByteTokenizer, load_split
     from flsmem.models.tasks import LATE, make_tasks
 
@@ -208,8 +211,8 @@ def run(plan: Plan, progress: Callable[[str], None] = lambda msg: None) -> list[
 
     rows: list[dict] = []
     settings = []
-    tasks_model = _tasks_model() if plan.tasks else None
-    settings += [(lambda kind=kind: _task_setting(kind, plan, tasks_model)) for kind in plan.tasks]
+    model = tasks_model() if plan.tasks else None
+    settings += [(lambda kind=kind: task_setting(kind, plan, model)) for kind in plan.tasks]
     settings += [(lambda name=name: _text_setting(name, plan)) for name in plan.text_models]
     for make in settings:
         setting = make()

@@ -204,13 +204,20 @@ BAD_ARGUMENTS = {
     "learned render with nothing saved": (["learned", "--quick", "--render", "--out", "{tmp}/empty"], "--render"),
     "learned estimator missing": (["learned", "--estimator", "{tmp}/no-estimator", "--out", "{tmp}/out"],
                                   "--estimator"),
+    "shift seeds unpaired": (["shift", "--shifted", "{tmp}/a", "--in-family", "{tmp}/a,{tmp}/b", "--out", "{tmp}/out"],
+                             "--shifted and --in-family must name the same number"),
+    "shift estimator missing": (["shift", "--shifted", "{tmp}/no-estimator", "--in-family", "{tmp}/no-estimator",
+                                 "--out", "{tmp}/out"], "--shifted"),
+    "shift learning rate not a number": (["shift", "--learning-rates", "fast", "--out", "{tmp}/out"],
+                                         "--learning-rates"),
+    "shift render with nothing saved": (["shift", "--render", "--out", "{tmp}/empty"], "--render"),
 }
 
 
 @pytest.fixture
 def no_models(monkeypatch):
     """Loading a model, or measuring anything, fails the test."""
-    from flsmem.harness import regime
+    from flsmem.harness import regime, shift
     from flsmem.models import catalog
 
     def forbidden(*args, **kwargs):
@@ -218,6 +225,7 @@ def no_models(monkeypatch):
 
     monkeypatch.setattr(catalog, "load", forbidden)
     monkeypatch.setattr(regime, "run", forbidden)
+    monkeypatch.setattr(shift, "run", forbidden)
 
 
 @pytest.mark.parametrize("case", list(BAD_ARGUMENTS))

@@ -1,0 +1,369 @@
+"""Online learning under a distribution shift: does serving-time learning close the gap?
+
+``flsmem shift`` deploys an estimator pretrained on one family of streams (the
+*shifted* one, for example prose only) on another family (the controlled tasks of
+:mod:`flsmem.models.tasks`, with the task model), and compares, on the same examples:
+
+* the shifted estimator frozen (``offline``),
+* the shifted estimator learning online as it serves (``online``, at each learning rate),
+* an estimator pretrained on the target family (``in_family``), frozen and online.
+
+The test examples arrive as one **stream of requests**: batches of ``--batch`` windows,
+one after another, as a server would see them. A learning estimator carries what it
+learned from one request to the next (:func:`flsmem.estimator.carry_over`), and labels
+what it still has in flight when a request ends (:func:`flsmem.estimator.flush`), as
+pretraining does. That is the only way it can learn from these windows at all: with
+the horizon it was trained with (256 queries), no label matures inside a 256-token
+window, so an estimator that forgets between requests never takes a step.
+
+The goal: online updates recover at least half of the gap between the shifted and the
+in-family estimator, ``(online - offline) / (in_family - offline)``, pooled over tasks
+and budgets, within the one stream. Each pretraining seed of the shifted family is
+paired with the same seed of the in-family one; the figure is given per seed, as mean
+± sd, and with a 95% bootstrap interval over examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from flsmem.harness.arguments import checking
+from flsmem.validate import require
+
+__all__ = ["ShiftPlan", "QUICK", "stream", "run", "recovered", "format_report", "main"]
+
+CHUNK = 16
+RESAMPLES = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ShiftPlan:
+    """What one shift experiment measures.
+
+    Attributes:
+      shifted, in_family: estimator checkpoints, one per pretraining seed; the i-th of
+        each are paired.
+      tasks: controlled tasks the estimators are deployed on.
+      fractions: memory budgets, as fractions of the task window.
+      learning_rates: Adam step sizes of the online variants.
+      seeds, examples: the test examples (``examples`` per seed), streamed in this order.
+      batch: windows per request of the stream.
+      task_context: tokens per task window.
+    """
+
+    shifted: tuple[str, ...]
+    in_family: tuple[str, ...]
+    tasks: tuple[str, ...] = ("passkey", "recall", "repeat", "chain")
+    fractions: tuple[float, ...] = (1 / 16, 1 / 8, 1 / 4)
+    learning_rates: tuple[float, ...] = (1e-3, 1e-2)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    examples: int = 32
+    batch: int = 8
+    task_context: int = 256
+
+    def __post_init__(self):
+        from flsmem.models.tasks import TASKS
+
+        require(len(self.shifted) >= 1 and len(self.shifted) == len(self.in_family),
+                f"--shifted and --in-family must name the same number (>= 1) of checkpoints, one per pretraining "
+                f"seed, got {len(self.shifted)} and {len(self.in_family)}")
+        for name, paths in (("--shifted", self.shifted), ("--in-family", self.in_family)):
+            for path in paths:
+                require((Path(path) / "params").is_dir(),
+                        f"{name} must name estimator checkpoints (folders holding params/), got {path!r}")
+        # The estimators differ only in what they were pretrained on: one policy serves all.
+        first = _estimator_settings(self.shifted[0])
+        for path in self.shifted[1:] + self.in_family:
+            require(_estimator_settings(path) == first,
+                    f"--in-family and --shifted checkpoints must share the estimator's settings (horizon, label, "
+                    f"width, ...); {path!r} differs from {self.shifted[0]!r}")
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        require(self.tasks and not unknown, f"--tasks must be among {TASKS}, got {self.tasks}")
+        require(self.fractions and all(0 < f < 1 for f in self.fractions),
+                f"--fractions must lie in (0, 1), got {self.fractions}")
+        require(self.learning_rates and all(lr > 0 for lr in self.learning_rates),
+                f"--learning-rates must be positive, got {self.learning_rates}")
+        require(self.seeds and self.examples >= 1, f"seeds and examples >= 1 are needed, got {self.seeds}, "
+                                                   f"{self.examples}")
+        total = len(self.seeds) * self.examples
+        require(1 <= self.batch and total % self.batch == 0,
+                f"--batch must divide the {total} examples of a task's stream, got {self.batch}")
+
+
+def _estimator_settings(path: str) -> dict:
+    """The settings of a checkpoint that make its policy (what :func:`flsmem.estimator.from_checkpoint` reads)."""
+    from flsmem import estimator as E
+
+    settings = E.load_settings(path)
+    return {k: settings.get(k) for k in ("hidden", "horizon", "snapshots", "label", "loss", "prior")}
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise ValueError(f"--learning-rates must be comma-separated numbers like 1e-3,1e-2, got {text!r}") from None
+
+
+def _paths(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+SHIFTED = tuple(f"results/shift/estimators/prose-seed{s}" for s in range(4))
+IN_FAMILY = tuple(f"results/shift/estimators/tasks-seed{s}" for s in range(4))
+# Two tasks, one budget, one seed of examples, the larger rate: minutes.
+QUICK = dict(tasks=("repeat", "chain"), fractions=(1 / 8,), learning_rates=(1e-2,), seeds=(3,), examples=32)
+
+
+def _start(path: str) -> dict:
+    """The estimator at ``path`` as the state a stream starts from (parameters and a fresh
+    optimizer, in :func:`flsmem.estimator.carry_over` form)."""
+    from flsmem import estimator as E
+
+    policy = E.from_checkpoint(path)
+    return E.carry_over(policy.init_aux(policy, 1, 1, 1), layers_axis=False)
+
+
+def stream(model, windows: np.ndarray, policy, budget: int, start: dict, batch: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``windows`` served as consecutive requests of ``batch`` windows under ``policy``
+    (a learned policy) at ``budget``, the estimator starting from ``start``.
+
+    With ``policy.params.online`` the estimator learns as it serves, labels what is in
+    flight at the end of each request (:func:`flsmem.estimator.flush`) and carries
+    what it learned to the next; frozen, every request starts from ``start``.
+
+    Returns:
+      ``(nll, hit, updates)``: per-token NLL and hits ``[W, T]`` (as
+      :func:`flsmem.harness.evaluate.evaluate_windows`), and the optimizer steps taken.
+    """
+    from flsmem import estimator as E
+    from flsmem.harness.evaluate import evaluate_windows
+
+    learned, nll, hit = start, [], []
+    for first in range(0, len(windows), batch):
+        n, h, stats = evaluate_windows(model, windows[first:first + batch], policy, budget, chunk=CHUNK, aux=learned)
+        nll.append(n)
+        hit.append(h)
+        if policy.params.online:
+            learned = E.carry_over(E.flush(policy, stats["aux"]))
+    return np.concatenate(nll), np.concatenate(hit), int(learned["updates"])
+
+
+def _variants(plan: ShiftPlan) -> list[float | None]:
+    """Learning rates of the variants; None is the frozen one."""
+    return [None, *plan.learning_rates]
+
+
+def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
+    """Every variant of every estimator on every task and budget, as rows with the
+    per-example accuracies."""
+    from flsmem import estimator as E
+    from flsmem.harness import regime
+
+    model = regime.tasks_model()
+    setting_plan = dataclasses.replace(regime.QUICK, tasks=plan.tasks, seeds=plan.seeds, examples=plan.examples,
+                                       task_context=plan.task_context)
+    estimators = [("shifted", i, path) for i, path in enumerate(plan.shifted)]
+    estimators += [("in_family", i, path) for i, path in enumerate(plan.in_family)]
+    starts = {path: _start(path) for _, _, path in estimators}
+    total = len(plan.tasks) * len(plan.fractions) * len(estimators) * len(_variants(plan))
+    bar = tqdm(total=total, desc="shift", unit="stream", disable=not progress)
+    rows = []
+    for task in plan.tasks:
+        setting = regime.task_setting(task, setting_plan, model)
+        for fraction in plan.fractions:
+            budget = int(round(fraction * setting.context))
+            for rate in _variants(plan):
+                # One policy per variant and budget: each estimator enters as its starting
+                # state, so every checkpoint shares one compiled loop.
+                policy = E.from_checkpoint(plan.shifted[0], online=rate is not None, learning_rate=rate or 1e-3,
+                                           recent=budget // 2)
+                for family, index, path in estimators:
+                    bar.set_postfix_str(f"{task} B={budget} {family}[{index}] {rate or 'offline'}")
+                    nll, hit, updates = stream(model, setting.windows, policy, budget, starts[path], plan.batch)
+                    per_example = setting.score(nll, hit)
+                    rows.append({"task": task, "fraction": fraction, "budget": budget, "estimator": family,
+                                 "pretraining": index, "learning_rate": rate, "updates": updates,
+                                 "value": float(per_example.mean()), "per_example": per_example.tolist()})
+                    bar.update(1)
+    bar.close()
+    return rows
+
+
+def _cells(rows: list[dict]) -> list[tuple[str, float]]:
+    return list(dict.fromkeys((r["task"], r["fraction"]) for r in rows))
+
+
+def _values(rows: list[dict], family: str, rate: float | None) -> np.ndarray:
+    """Per-example accuracies ``[seeds, cells, examples]`` of one variant."""
+    at = {(r["estimator"], r["learning_rate"], r["pretraining"], r["task"], r["fraction"]): r["per_example"]
+          for r in rows}
+    seeds = sorted({r["pretraining"] for r in rows})
+    return np.asarray([[at[(family, rate, s, task, fraction)] for task, fraction in _cells(rows)] for s in seeds])
+
+
+def recovered(rows: list[dict], rate: float, seed: int = 0) -> dict:
+    """The share of the gap that online learning at ``rate`` recovers:
+    ``mean(online - offline) / mean(in_family - offline)`` of the shifted start,
+    pooled over cells and examples, per pretraining seed and over all seeds, with the
+    gain and the gap themselves; intervals are 95% bootstrap intervals that resample
+    each task's examples (one draw for all its budgets and seeds, since every variant
+    saw the same examples).
+
+    Returns:
+      ``{"ratio", "gain", "gap"}``, each ``(value, low, high)``, and ``"per_seed"``, the
+      ratio of each pretraining seed.
+    """
+    offline = _values(rows, "shifted", None)
+    gain = _values(rows, "shifted", rate) - offline
+    gap = _values(rows, "in_family", None) - offline
+
+    def ratio(a, b):
+        return float(a / b) if b else float("nan")
+
+    per_seed = [ratio(g.mean(), d.mean()) for g, d in zip(gain, gap)]
+    # Each task's examples are drawn afresh in every resample; its budgets share the draw.
+    tasks = [task for task, _ in _cells(rows)]
+    rng = np.random.default_rng(seed)
+    examples = gain.shape[-1]
+    draw = {task: rng.integers(examples, size=(RESAMPLES, examples)) for task in dict.fromkeys(tasks)}
+    picks = np.stack([draw[task] for task in tasks], axis=1)  # [resamples, cells, examples]
+    gains = np.take_along_axis(gain.mean(axis=0)[None], picks, axis=-1).mean(axis=(1, 2))
+    gaps = np.take_along_axis(gap.mean(axis=0)[None], picks, axis=-1).mean(axis=(1, 2))
+    ratios = np.divide(gains, gaps, out=np.full_like(gains, np.nan), where=gaps != 0)
+
+    def summary(value, draws):
+        low, high = np.nanpercentile(draws, [2.5, 97.5])
+        return float(value), float(low), float(high)
+
+    return {"ratio": summary(ratio(gain.mean(), gap.mean()), ratios), "gain": summary(gain.mean(), gains),
+            "gap": summary(gap.mean(), gaps), "per_seed": per_seed}
+
+
+def _fraction(f: float) -> str:
+    return str(Fraction(f).limit_denominator(64))
+
+
+def _label(family: str, rate: float | None) -> str:
+    return f"{family} {'offline' if rate is None else f'online {rate:g}'}"
+
+
+def format_report(rows: list[dict]) -> str:
+    """Accuracy per task and budget (mean ± sd over pretraining seeds), the optimizer
+    steps taken, the gap recovered per learning rate, and the goal's check."""
+    rates = sorted({r["learning_rate"] for r in rows if r["learning_rate"] is not None})
+    present = {(r["estimator"], r["learning_rate"]) for r in rows}
+    variants = [(family, rate) for family in ("shifted", "in_family") for rate in [None, *rates]
+                if (family, rate) in present]
+    seeds = len({r["pretraining"] for r in rows})
+    lines = [f"## accuracy after the gap, mean ± sd over {seeds} pretraining seeds", "",
+             "| task | budget | " + " | ".join(_label(f, r) for f, r in variants) + " |",
+             "|---|---|" + "---|" * len(variants)]
+    for task, fraction in _cells(rows):
+        cells = []
+        for family, rate in variants:
+            values = [r["value"] for r in rows if (r["task"], r["fraction"], r["estimator"], r["learning_rate"])
+                      == (task, fraction, family, rate)]
+            cells.append(f"{np.mean(values):.3f} ± {np.std(values, ddof=1) if len(values) > 1 else 0:.3f}")
+        budget = next(r["budget"] for r in rows if (r["task"], r["fraction"]) == (task, fraction))
+        lines.append(f"| {task} | {budget} ({_fraction(fraction)}) | " + " | ".join(cells) + " |")
+    steps = {rate: sorted({r["updates"] for r in rows if r["learning_rate"] == rate}) for rate in rates}
+    lines += ["", "optimizer steps taken over one task's stream: " + ", ".join(
+        f"online {rate:g}: {'/'.join(map(str, s))}" for rate, s in steps.items()) + "; offline: 0"]
+    lines += ["", "## gap recovered by online learning, from the shifted start (accuracy, pooled over tasks, budgets "
+                  "and examples; [95% bootstrap over examples])", "",
+              "| learning rate | gap: in_family - offline | gain: online - offline | recovered: gain / gap | "
+              "per pretraining seed | mean ± sd over seeds |", "|---|---|---|---|---|---|"]
+
+    def shown(value, low, high, digits=4):
+        return f"{value:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+    checks = []
+    for rate in rates:
+        got = recovered(rows, rate)
+        per_seed = np.asarray(got["per_seed"])
+        spread = np.std(per_seed, ddof=1) if len(per_seed) > 1 else 0.0
+        lines.append(f"| {rate:g} | {shown(*got['gap'])} | {shown(*got['gain'])} | {shown(*got['ratio'], digits=2)} | "
+                     + ", ".join(f"{v:+.2f}" for v in per_seed) + f" | {np.mean(per_seed):+.2f} ± {spread:.2f} |")
+        # A gap whose interval reaches 0 leaves nothing measurable to recover.
+        measurable = got["gap"][1] > 0
+        checks.append((f"online {rate:g} recovers {got['ratio'][0]:+.2f} of the gap (goal >= 0.5)"
+                       + ("" if measurable else "; no measurable gap: its interval reaches 0"),
+                       measurable and got["ratio"][0] >= 0.5))
+    lines += ["", "## along the stream: each half of every task's stream (accuracy, pooled over tasks, budgets, "
+                  "examples and seeds)", "",
+              "| learning rate | half | shifted offline | shifted online | in_family offline | in_family online | "
+              "recovered: gain / gap |", "|---|---|---|---|---|---|---|"]
+    offline, target = _values(rows, "shifted", None), _values(rows, "in_family", None)
+    for rate in rates:
+        online = _values(rows, "shifted", rate)
+        target_online = _values(rows, "in_family", rate) if ("in_family", rate) in present else None
+        half = offline.shape[-1] // 2
+        for name, part in (("first", slice(0, half)), ("second", slice(half, None))):
+            gap = (target - offline)[..., part].mean()
+            cells = [offline[..., part].mean(), online[..., part].mean(), target[..., part].mean()]
+            shown = [f"{v:.3f}" for v in cells] + ["" if target_online is None else f"{target_online[..., part].mean():.3f}"]
+            ratio = (online - offline)[..., part].mean() / gap if gap else float("nan")
+            lines.append(f"| {rate:g} | {name} | " + " | ".join(shown) + f" | {ratio:+.2f} |")
+    lines += ["", "## goal", ""] + [f"{'holds ' if ok else 'FAILS '} {text}" for text, ok in checks]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shifted", default=",".join(SHIFTED), metavar="DIRS",
+                        help="comma-separated estimator checkpoints pretrained off the target family, one per seed")
+    parser.add_argument("--in-family", default=",".join(IN_FAMILY), metavar="DIRS",
+                        help="the same number of checkpoints pretrained on the target family (the tasks)")
+    parser.add_argument("--learning-rates", default=",".join(f"{r:g}" for r in ShiftPlan.learning_rates),
+                        metavar="RATES", help="comma-separated Adam step sizes of the online variants")
+    parser.add_argument("--batch", type=int, default=ShiftPlan.batch, help="windows per request of the stream")
+    parser.add_argument("--quick", action="store_true",
+                        help="repeat and chain, budget 1/8, one seed of examples (3, which the full run does not "
+                             "use), learning rate 1e-2")
+    parser.add_argument("--out", default="results/shift", help="folder for shift.json and shift.txt")
+    parser.add_argument("--render", action="store_true", help="measure nothing: rewrite from the JSON in --out")
+
+
+def run_cli(args: argparse.Namespace) -> list[dict]:
+    stem = "quick" if args.quick else "shift"
+    out = Path(args.out)
+    with checking("flsmem shift"):
+        require(not out.exists() or out.is_dir(), f"--out must be a folder, got the file {args.out!r}")
+        saved = out / f"{stem}.json"
+        require(not args.render or saved.is_file(),
+                f"--render needs the results of a run in --out, but {str(saved)!r} does not exist")
+        plan = None if args.render else ShiftPlan(
+            _paths(args.shifted), _paths(args.in_family), batch=args.batch,
+            **({"learning_rates": _rates(args.learning_rates)} | (QUICK if args.quick else {})))
+    if args.render:
+        saved = json.loads((out / f"{stem}.json").read_text())
+        rows, elapsed = saved["rows"], saved["seconds"]
+    else:
+        begin = time.perf_counter()
+        rows = run(plan)
+        elapsed = time.perf_counter() - begin
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(
+            {"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows}) + "\n")
+    text = f"flsmem shift{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_report(rows)
+    print(text)
+    (out / f"{stem}.txt").write_text(text + "\n")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="flsmem shift", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
