@@ -333,13 +333,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
+    from flsmem.harness.regime import check_output
+
     stem = "quick" if args.quick else "shift"
-    out = Path(args.out)
     with checking("flsmem shift"):
-        require(not out.exists() or out.is_dir(), f"--out must be a folder, got the file {args.out!r}")
-        saved = out / f"{stem}.json"
-        require(not args.render or saved.is_file(),
-                f"--render needs the results of a run in --out, but {str(saved)!r} does not exist")
+        out = check_output(args, stem)
         plan = None if args.render else ShiftPlan(
             _paths(args.shifted), _paths(args.in_family), batch=args.batch,
             **({"learning_rates": _rates(args.learning_rates)} | (QUICK if args.quick else {})))
