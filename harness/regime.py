@@ -37,7 +37,8 @@ from flsmem import policies as P
 from flsmem.harness.arguments import checking
 from flsmem.validate import require
 
-__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "tasks_model", "task_setting", "run", "winners", "check_output", "main"]
+__all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "tasks_model", "task_setting", "run", "winners",
+           "check_output", "main"]
 
 MAP_POLICIES = ("oracle", "rmm", "h2o", "tova", "streaming_llm", "snapkv", "ema", "kalman")
 RETENTION_POLICIES = ("oracle", "rmm", "h2o")

@@ -132,7 +132,8 @@ def _start(path: str) -> dict:
     return E.carry_over(policy.init_aux(policy, 1, 1, 1), layers_axis=False)
 
 
-def stream(model, windows: np.ndarray, policy, budget: int, start: dict, batch: int) -> tuple[np.ndarray, np.ndarray, int]:
+def stream(model, windows: np.ndarray, policy, budget: int, start: dict,
+           batch: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``windows`` served as consecutive requests of ``batch`` windows under ``policy``
     (a learned policy) at ``budget``, the estimator starting from ``start``.
 
@@ -183,7 +184,8 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
             budget = int(round(fraction * setting.context))
             for rate in _variants(plan):
                 # One policy per variant and budget: each estimator enters as its starting
-                # state, so every checkpoint shares one compiled loop.
+                # state, so every checkpoint shares one compiled loop (a frozen one's rate
+                # is never used).
                 policy = E.from_checkpoint(plan.shifted[0], online=rate is not None, learning_rate=rate or 1e-3,
                                            recent=budget // 2)
                 for family, index, path in estimators:
@@ -310,9 +312,10 @@ def format_report(rows: list[dict]) -> str:
         for name, part in (("first", slice(0, half)), ("second", slice(half, None))):
             gap = (target - offline)[..., part].mean()
             cells = [offline[..., part].mean(), online[..., part].mean(), target[..., part].mean()]
-            shown = [f"{v:.3f}" for v in cells] + ["" if target_online is None else f"{target_online[..., part].mean():.3f}"]
+            cells = [f"{v:.3f}" for v in cells]
+            cells.append("" if target_online is None else f"{target_online[..., part].mean():.3f}")
             ratio = (online - offline)[..., part].mean() / gap if gap else float("nan")
-            lines.append(f"| {rate:g} | {name} | " + " | ".join(shown) + f" | {ratio:+.2f} |")
+            lines.append(f"| {rate:g} | {name} | " + " | ".join(cells) + f" | {ratio:+.2f} |")
     lines += ["", "## goal", ""] + [f"{'holds ' if ok else 'FAILS '} {text}" for text, ok in checks]
     return "\n".join(lines)
 
