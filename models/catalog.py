@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-__all__ = ["MODELS", "check", "load", "load_tokenizer"]
+__all__ = ["MODELS", "check", "load", "load_tokenizer", "context_length"]
 
 MODELS = ("tiny", "tiny-tasks", "smollm2-135m", "gemma3-270m")
 
@@ -83,3 +83,15 @@ def load_tokenizer(name: str):
     except (ValueError, FileNotFoundError) as error:
         message = str(error)
         raise ValueError(message if message.startswith("--model") else f"--model {name}: {message}") from None
+
+
+def context_length(name: str) -> int:
+    """The longest context the model ``name`` was trained for (its configuration's
+    ``max_len``: a GGUF file's ``context_length``), read without its weights."""
+    if name in ("tiny", "tiny-tasks"):
+        from flsmem.models.decoder import TINY
+
+        return TINY.max_len
+    from flsmem.models import gguf
+
+    return gguf.decoder_config(gguf.read(_gguf_file(name))).max_len

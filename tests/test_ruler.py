@@ -157,6 +157,8 @@ BAD_ARGUMENTS = {
     "evict_every zero": (["--evict-every", "0"], "--evict-every"),
     "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
     "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
+    "length past the model's context": (["--lengths", "512,100000"],
+                                        "--length 100000 is past tiny's context of 512 tokens"),
     "out is a folder": (["--out", "{tmp}"], "--out"),
     "out under a file": (["--out", "{tmp}/file/r.jsonl"], "--out"),
     "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),

@@ -229,7 +229,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from flsmem.harness.evaluate import POLICY_NAMES
 
     parser.add_argument("--model", default="smollm2-135m", help=f"one of {', '.join(catalog.MODELS)}, or a .gguf file")
-    parser.add_argument("--length", type=int, default=None, help="prompt length in the model's tokens (default 4096)")
+    parser.add_argument("--length", type=int, default=None,
+                        help="prompt length in the model's tokens, at most its trained context (default 4096)")
     parser.add_argument("--lengths", default=None, help="several prompt lengths, comma-separated (instead of --length)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated RULER tasks among {', '.join(TASKS)}")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES),
@@ -326,6 +327,12 @@ def run_cli(args: argparse.Namespace) -> Path:
         plan, out = check_arguments(args)
         if not args.report:
             tokenizer = catalog.load_tokenizer(plan.model)
+            # Past its trained context a model's accuracy measures RoPE extrapolation, not
+            # the memory; and a mistyped length would spend minutes drawing haystacks first.
+            limit = catalog.context_length(plan.model)
+            for length in plan.lengths:
+                require(length <= limit, f"--length {length} is past {plan.model}'s context of {limit} tokens; "
+                                         "RULER lengths must fit the context the model was trained for")
             # A length too short for a task is an argument error, found before the model loads.
             for length in plan.lengths:
                 for task in plan.tasks:
