@@ -123,6 +123,30 @@ def test_the_report_marks_tasks_beyond_the_model_and_leaves_them_out(tmp_path):
     assert (tmp_path / "m.png").is_file()
 
 
+def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
+    from flsmem.harness.ruler import report
+
+    h2o, h2o_twice, rmm = [0, 1, 0, 1], [1, 1, 1, 1], [1, 1, 0, 1]
+    rows = [_row("vt", "rmm", "stream", 0.25, 4, 1.0)]  # a sample h2o did not answer: not paired
+    for index in range(4):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("cwe", "full", "stream", 1.0, index, 0.0),
+                 _row("vt", "h2o", "stream", 0.25, index, h2o[index]),
+                 _row("vt", "h2o", "stream", 0.5, index, h2o_twice[index]),
+                 _row("vt", "rmm", "stream", 0.25, index, rmm[index]),
+                 # cwe is beyond the model: its differences stay out of the average.
+                 _row("cwe", "h2o", "stream", 0.25, index, 0.0), _row("cwe", "rmm", "stream", 0.25, index, 1.0)]
+    text = report.format_report(rows, "t")
+    line = next(line for line in text.splitlines() if line.startswith("| stream | rmm | 0.25 |"))
+    same, twice = line.split(" | ")[3:5]
+    # rmm - h2o on vt's four paired samples: (1 + 0 + 0 + 0) / 4; against h2o at 0.5: (0 + 0 - 1 + 0) / 4.
+    assert same.startswith("+25 [") and same.endswith("] (4)")
+    assert twice.startswith("-25 [") and twice.rstrip(" |").endswith("] (4)")
+    low, high = (int(x) for x in same[same.index("[") + 1:same.index("]")].split(", "))
+    assert low <= 25 <= high and low >= 0
+    # h2o itself is the reference, and its 0.5 arm has no 1.0 arm to be paired with.
+    assert "| stream | h2o |" not in text
+
+
 def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypatch):
     from flsmem.harness.ruler import protocols, run
     from flsmem.models import catalog

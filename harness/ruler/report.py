@@ -5,8 +5,10 @@ each protocol, then per protocol a table of every task. A cell is the mean score
 percent over the samples with its 95% interval: a percentile bootstrap over the samples
 (2,000 resamples, seeded; for the average, the samples of each task are resampled
 within the task). A task whose full-cache score is below 20% is beyond the model: it
-is marked and left out of the averages, since no eviction can be judged on it. The plot
-shows the average accuracy against the budget, one panel per length and protocol.
+is marked and left out of the averages, since no eviction can be judged on it. Every
+policy is then paired with h2o on the same samples, at the same budget and at twice it.
+The plot shows the average accuracy against the budget, one panel per length and
+protocol.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import numpy as np
 from flsmem.harness.ruler.protocols import PROTOCOLS
 from flsmem.harness.ruler.tasks import TASKS
 
-__all__ = ["KEY", "BEYOND", "RESAMPLES", "load", "format_report", "plot", "write"]
+__all__ = ["KEY", "BEYOND", "REFERENCE", "RESAMPLES", "load", "format_report", "plot", "write"]
 
 # The fields that name one answer in a results file: the runner does not redo a row
 # with the same values, and the report keeps the last of them.
 KEY = ("model", "task", "length", "index", "seed", "policy", "protocol", "budget", "evict_every")
 # Below this full-cache accuracy a task is beyond the model.
 BEYOND = 0.2
+# Accumulation, the baseline every other policy is paired against.
+REFERENCE = "h2o"
 RESAMPLES = 2000
 
 
@@ -50,12 +54,18 @@ def _policies(rows: list[dict]) -> list[str]:
     return sorted({r["policy"] for r in rows}, key=lambda name: order.get(name, len(order)))
 
 
-def _scores(rows: list[dict]) -> dict[tuple, dict[str, np.ndarray]]:
-    """``{(length, protocol, policy, budget): {task: scores by sample index}}``."""
+def _by_sample(rows: list[dict]) -> dict[tuple, dict[str, dict[int, float]]]:
+    """``{(length, protocol, policy, budget): {task: {sample index: score}}}``."""
     found: dict[tuple, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         found[(r["length"], r["protocol"], r["policy"], r["budget"])][r["task"]][r["index"]] = r["score"]
-    return {arm: {task: np.array([s[i] for i in sorted(s)]) for task, s in tasks.items()} for arm, tasks in found.items()}
+    return found
+
+
+def _scores(rows: list[dict]) -> dict[tuple, dict[str, np.ndarray]]:
+    """``{(length, protocol, policy, budget): {task: scores in sample order}}``."""
+    return {arm: {task: np.array([s[i] for i in sorted(s)]) for task, s in tasks.items()}
+            for arm, tasks in _by_sample(rows).items()}
 
 
 def _interval(per_task: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float, float]:
@@ -117,9 +127,46 @@ def _protocol_table(scores, length, protocol, policies, kept, beyond, rng) -> li
     return lines
 
 
+def _difference(arm: dict, reference: dict, kept: list[str], rng: np.random.Generator) -> str:
+    """``arm`` minus ``reference`` on the samples both answered, averaged over the kept
+    tasks, with its paired 95% interval and the number of pairs."""
+    pairs = []
+    for task in kept:
+        common = sorted(set(arm.get(task, {})) & set(reference.get(task, {})))
+        if common:
+            pairs.append(np.array([arm[task][i] - reference[task][i] for i in common]))
+    if not pairs:
+        return "–"
+    mean, low, high = _interval(pairs, rng)
+    return f"{100 * mean:+.0f} [{100 * low:+.0f}, {100 * high:+.0f}] ({sum(map(len, pairs))})"
+
+
+def _paired(by_sample, length, policies, kept, rng) -> list[str]:
+    """Every evicting policy against :data:`REFERENCE` at the same budget and at twice
+    it, paired over samples; nothing when the reference was not run."""
+    arms = sorted(((proto, p, b) for (n, proto, p, b) in by_sample
+                   if n == length and p not in ("full", REFERENCE)),
+                  key=lambda a: (PROTOCOLS.index(a[0]) if a[0] in PROTOCOLS else 9, policies.index(a[1]), a[2]))
+    if not any(n == length and p == REFERENCE for (n, _, p, _) in by_sample):
+        return []
+    lines = [f"### Paired against {REFERENCE}", "",
+             f"Percentage points, a policy's score minus {REFERENCE}'s on the same samples, averaged over the "
+             "tasks both answered (those beyond the model left out), with a 95% bootstrap interval over "
+             f"samples (resampled within each task) and, in parentheses, the number of pairs. {REFERENCE} at "
+             f"twice the budget asks whether a policy does with B slots what {REFERENCE} does with 2B.", "",
+             f"| protocol | policy | budget | minus {REFERENCE} | minus {REFERENCE} at twice the budget |",
+             "|---|---|---|---|---|"]
+    for protocol, policy, budget in arms:
+        cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept, rng)
+                 if key in by_sample else "–"
+                 for key in ((length, protocol, REFERENCE, budget), (length, protocol, REFERENCE, 2 * budget))]
+        lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def format_report(rows: list[dict], title: str) -> str:
     """The markdown report of ``rows``."""
-    scores, policies = _scores(rows), _policies(rows)
+    by_sample, scores, policies = _by_sample(rows), _scores(rows), _policies(rows)
     rng = np.random.default_rng(0)
     lines = [f"# {title}", "",
              "Accuracy in percent (RULER's string match: the share of the gold answers found in the answer), "
@@ -138,6 +185,7 @@ def format_report(rows: list[dict], title: str) -> str:
         for protocol in [p for p in PROTOCOLS if any(k[0] == length and k[1] == p for k in scores)]:
             lines += [f"### {protocol}", ""]
             lines += _protocol_table(scores, length, protocol, policies, kept, beyond, rng) + [""]
+        lines += _paired(by_sample, length, policies, kept, rng)
     return "\n".join(lines)
 
 
