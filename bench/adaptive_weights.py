@@ -21,7 +21,6 @@ import numpy as np
 from flsmem.harness.evaluate import evaluate_nll, make_policy
 from flsmem.harness.report import eval_windows
 from flsmem.models import catalog
-from flsmem.models.data import load_book
 from flsmem.policies.adaptive import expert_names
 
 
@@ -47,8 +46,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="path stem: writes STEM.json and STEM.png")
     args = parser.parse_args(argv)
     model, tokenizer = catalog.load(args.model)
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
-    windows = eval_windows(args, tokenizer.encode(load_book(args.text)), bos)
+    windows = eval_windows(args, tokenizer)
     runs = {}
     for budget in (int(b) for b in args.budgets.split(",")):
         experts, weights, nll = layer_weights(model, windows, budget, args.evict_every)

@@ -121,21 +121,22 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     return policies, budgets, prefill
 
 
-def eval_windows(args: argparse.Namespace, tokens: np.ndarray, bos: int | None = None) -> np.ndarray:
-    """The evaluation windows of ``args`` (``context``, ``windows``, ``text``); with
-    ``bos``, each starts with it in place of its first token, as llama.cpp's perplexity
-    does for models that expect one (Gemma)."""
+def eval_windows(args: argparse.Namespace, tokenizer) -> np.ndarray:
+    """The evaluation windows of ``args`` (``context``, ``windows``, ``text``) in
+    ``tokenizer``'s tokens; for a tokenizer that adds a BOS, each starts with it in place
+    of its first token, as llama.cpp's perplexity does for models that expect one (Gemma)."""
     from flsmem.models.data import cut_windows
 
+    tokens = tokenizer.encode(load_text(args.text))
     try:
         windows = cut_windows(tokens, args.context, args.windows, spacing="spread", exact=True)
     except ValueError as error:
         raise ValueError(f"--windows {args.windows} windows of --context {args.context} + 1 tokens need "
                          f"{args.windows * (args.context + 1)} tokens, but --text {args.text} has {len(tokens)} "
                          f"tokens of the model's tokenizer") from error
-    if bos is not None:
+    if tokenizer.add_bos:
         windows = windows.copy()
-        windows[:, 0] = bos
+        windows[:, 0] = tokenizer.bos_id
     return windows
 
 
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> list:
     # The model file and the windows are checked against the text before the model loads.
     with checking(COMMAND):
         tokenizer = catalog.load_tokenizer(args.model)
-        windows = eval_windows(args, tokenizer.encode(load_text(args.text)), tokenizer.bos_id if tokenizer.add_bos else None)
+        windows = eval_windows(args, tokenizer)
     model, _ = catalog.load(args.model)
     byte_counts = np.array([
         [len(tokenizer.decode(w[1:]).encode()), len(tokenizer.decode(w[1 + prefill:]).encode())] for w in windows
