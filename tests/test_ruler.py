@@ -1,6 +1,7 @@
 """RULER in-tree: the generated tasks, the scores, the runner and the command."""
 
 import collections
+import dataclasses
 import json
 import re
 
@@ -166,6 +167,36 @@ def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypat
     assert run.run(plan, out, progress=False) == 0
 
 
+
+def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
+    """As in ``flsmem eval``: SmolLM2's learned policies use the estimator pretrained on
+    its traces unless ``--estimator`` names another, and each row says which. The model
+    and the answering are stand-ins: only the wiring is tested."""
+    import types
+
+    from flsmem.harness import evaluate
+    from flsmem.harness.ruler import protocols, run
+    from flsmem.models.decoder import TINY
+
+    given, make_policy = [], evaluate.make_policy
+
+    def record(name, budget, lag=16, estimator=None, model=None):
+        given.append(estimator)
+        return make_policy("h2o", budget, lag, model=model)
+
+    monkeypatch.setattr(evaluate, "make_policy", record)
+    monkeypatch.setattr(protocols, "answer", lambda *args, **kwargs: ([], {"evictions": 0}))
+    sample = tasks.make_sample("niah_single_1", 2048, 0, ByteTokenizer(), 0)
+    plan = run.Plan(model="smollm2-135m", lengths=(2048,), tasks=("niah_single_1",), policies=("learned",),
+                    budgets=(0.25,), protocols=("stream",), samples=1)
+    answered = []
+    for estimator in (None, str(evaluate.ESTIMATOR_DIR)):
+        answerer = run._Answerer(dataclasses.replace(plan, estimator=estimator), types.SimpleNamespace(cfg=TINY),
+                                 ByteTokenizer())
+        answered += answerer.rows("learned", sample, [("stream", 0.25)])
+    assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR)]
+    assert [row["estimator"] for row in answered] == ["estimator-smollm2", "estimator"]
+
 BAD_ARGUMENTS = {
     "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),
     "unknown policy": (["--policies", "h2o,lru"], "--policies"),
@@ -186,6 +217,7 @@ BAD_ARGUMENTS = {
     "out is a folder": (["--out", "{tmp}"], "--out"),
     "out under a file": (["--out", "{tmp}/file/r.jsonl"], "--out"),
     "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),
+    "estimator not a checkpoint": (["--policies", "learned", "--estimator", "{tmp}"], "--estimator"),
 }
 
 

@@ -59,6 +59,8 @@ class Plan:
       samples: samples per task and length.
       seed: seed of the samples.
       evict_every: items that arrive between two evictions.
+      estimator: checkpoint folder of the learned policies; None, the one shipped for
+        ``model`` (:func:`flsmem.harness.evaluate.estimator_for`), as ``flsmem eval`` does.
     """
 
     model: str
@@ -70,6 +72,7 @@ class Plan:
     samples: int
     seed: int = 0
     evict_every: int = 16
+    estimator: str | None = None
 
 
 def _key(row: dict) -> tuple:
@@ -156,7 +159,10 @@ class _Answerer:
     table of each sample, and frees compiled programs between policies."""
 
     def __init__(self, plan: Plan, model, tokenizer):
+        from flsmem.harness.evaluate import estimator_for
+
         self.plan, self.model, self.tokenizer = plan, model, tokenizer
+        self.estimator = str(plan.estimator or estimator_for(plan.model))
 
     def forget(self) -> None:
         import jax
@@ -185,7 +191,7 @@ class _Answerer:
 
         plan, length = self.plan, sample["length"]
         tokens = _budget_tokens(budget, length)
-        config = _config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg)
+        config = _config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg, self.estimator)
         begin = time.perf_counter()
         generated, info = answer(self.model, config, *ids, protocol=protocol, max_new=sample["max_new_tokens"],
                                  eos_id=self.tokenizer.eos_id, table=table)
@@ -198,6 +204,7 @@ class _Answerer:
             "score": score(sample["task"], prediction, sample["answers"]),
             "generated_tokens": len(generated), "evictions": info["evictions"],
             "seconds": round(time.perf_counter() - begin, 3),
+            **({"estimator": Path(self.estimator).name} if "learned" in policy else {}),
         }
 
     def _oracle_table(self, sample, ids) -> np.ndarray:
@@ -212,16 +219,17 @@ def _budget_tokens(fraction: float, length: int) -> int:
     return max(1, int(fraction * length))
 
 
-def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: int, model=None):
+def _config(policy: str, tokens: int, protocol: str, length: int, evict_every: int, model=None,
+            estimator: str | None = None):
     """The memory settings of ``policy`` at ``tokens`` items (ValueError when it
     cannot hold its protected items). ``model``: the decoder's configuration, for the
     policies built for its attention shape; before the model is loaded, a stand-in
-    shape checks the budget."""
+    shape checks the budget. ``estimator``: the learned policies' checkpoint."""
     from flsmem.harness.evaluate import make_policy
     from flsmem.harness.ruler.protocols import memory_config
     from flsmem.models.decoder import TINY
 
-    built = make_policy(policy, tokens, model=TINY if model is None else model)
+    built = make_policy(policy, tokens, estimator=estimator, model=TINY if model is None else model)
     return memory_config(built, tokens, protocol, length=length, evict_every=evict_every, max_new=MAX_NEW)
 
 
@@ -245,6 +253,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "MODEL-quick.jsonl with --quick); the report goes beside it (.md, .png)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1 sample of niah_single_1, full and h2o at 1/4, every protocol")
+    parser.add_argument("--estimator", default=None, metavar="DIR",
+                        help="estimator checkpoint of the learned policies (default: the one shipped for --model, "
+                             "as in flsmem eval)")
     parser.add_argument("--report", action="store_true", help="measure nothing: write the report from --out")
 
 
@@ -289,14 +300,15 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, is_policy_name
+    from flsmem.harness.evaluate import LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, check_estimator, is_policy_name
 
     plan = Plan(
         model=catalog.check(args.model), lengths=_lengths(args), tasks=_names("--tasks", args.tasks, TASKS),
         policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES + PEER_NAMES, is_policy_name),
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
-        evict_every=positive_int("--evict-every", args.evict_every))
+        evict_every=positive_int("--evict-every", args.evict_every), estimator=args.estimator)
+    check_estimator(plan.estimator)
     pyramids = [p for p in plan.policies if "pyramid(" in p]
     require(not pyramids, f"--policies {', '.join(pyramids)}: layer budgets hold until the next scheduled eviction, "
                           "and flsmem ruler evicts while it reads the question and answers, so they would be measured "
@@ -305,7 +317,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
         for policy in plan.policies:
             for budget in plan.budgets:
                 try:
-                    _config(policy, _budget_tokens(budget, length), plan.protocols[0], length, plan.evict_every)
+                    _config(policy, _budget_tokens(budget, length), plan.protocols[0], length, plan.evict_every,
+                            estimator=plan.estimator)
                 except ValueError as error:
                     raise ValueError(f"--budgets {budget:g} of --length {length} is too small for {policy}: "
                                      f"{error}") from None
