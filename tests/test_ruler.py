@@ -124,6 +124,23 @@ def test_the_report_marks_tasks_beyond_the_model_and_leaves_them_out(tmp_path):
     assert (tmp_path / "m.png").is_file()
 
 
+
+def test_an_average_over_fewer_tasks_says_so():
+    """A policy run on some of the tasks has an average that cannot be set beside the
+    others': the report says over how many tasks it is."""
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(2):
+        rows += [_row(task, policy, "stream", 1.0 if policy == "full" else 0.25, index, 1.0)
+                 for task in ("vt", "fwe") for policy in ("full", "h2o")]
+        rows += [_row("vt", "rmm", "stream", 0.25, index, 0.0)]
+    text = report.format_report(rows, "t")
+    assert "| h2o | 0.25 | 100 [100–100] | 100 [100–100] | 100 [100–100] |" in text
+    assert "| rmm | 0.25 | 0 [0–0] | – | 0 [0–0] (1 of 2 tasks) |" in text
+    assert "| rmm | 0 [0–0] (1 of 2 tasks) |" in text
+    assert "| h2o | 100 [100–100] |" in text
+
 def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     from flsmem.harness.ruler import report
 

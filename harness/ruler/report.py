@@ -83,6 +83,21 @@ def _cell(per_task: list[np.ndarray] | None, rng: np.random.Generator) -> str:
     return f"{100 * mean:.0f} [{100 * low:.0f}–{100 * high:.0f}]"
 
 
+def _average(got: dict[str, np.ndarray], tasks: list[str], rng: np.random.Generator) -> str:
+    """The average of ``got`` over ``tasks`` (the kept tasks the table holds): one that
+    lacks some of them says over how many, since its figure is not comparable."""
+    have = [t for t in tasks if t in got]
+    cell = _cell([got[t] for t in have], rng)
+    return cell if not have or len(have) == len(tasks) else f"{cell} ({len(have)} of {len(tasks)} tasks)"
+
+
+def _present(scores: dict, length: int, kept: list[str], protocol: str | None = None) -> list[str]:
+    """The kept tasks that some policy answered at ``length`` (under ``protocol``)."""
+    found = {t for (n, proto, _, _), tasks in scores.items() if n == length and protocol in (None, proto)
+             for t in tasks}
+    return [t for t in kept if t in found]
+
+
 def _beyond(scores: dict, length: int) -> set[str]:
     """Tasks of ``length`` whose full-cache accuracy is below :data:`BEYOND`."""
     full = [tasks for (n, _, policy, _), tasks in scores.items() if n == length and policy == "full"]
@@ -107,7 +122,7 @@ def _summary(scores, length, policies, kept, rng) -> list[str]:
         for proto, b in columns:
             # The full cache answers alike under every protocol and budget: its one figure in every column.
             tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
-            cells.append(_cell([tasks[t] for t in kept if t in tasks], rng))
+            cells.append(_average(tasks, _present(scores, length, kept, proto), rng) if tasks else "–")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -121,7 +136,7 @@ def _protocol_table(scores, length, protocol, policies, kept, beyond, rng) -> li
     for policy, budget in _arms(scores, length, protocol, policies):
         got = scores[(length, protocol, policy, budget)]
         cells = [_cell([got[t]] if t in got else None, rng) for t in tasks]
-        average = _cell([got[t] for t in kept if t in got], rng)
+        average = _average(got, [t for t in tasks if t in kept], rng)
         lines.append(f"| {policy} | {'full' if policy == 'full' else f'{budget:g}'} | " + " | ".join(cells)
                      + f" | {average} |")
     return lines
@@ -208,7 +223,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for col, protocol in enumerate(protocols):
             ax = axes[row][col]
             for i, policy in enumerate(policies):
-                _plot_policy(ax, scores, length, protocol, policy, kept, colours(i))
+                _plot_policy(ax, scores, length, protocol, policy, _present(scores, length, kept, protocol), colours(i))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{protocol}, {length} tokens", fontsize=9)
             ax.set_xlabel("budget (fraction of the prompt)")
@@ -223,10 +238,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def _plot_policy(ax, scores, length, protocol, policy, kept, colour) -> None:
+    """``kept``: the tasks of the panel; a line over fewer of them says so in its label."""
+    covered = set()
+
     def average(budget):
         tasks = scores.get((length, protocol, policy, budget), {})
-        present = [tasks[t].mean() for t in kept if t in tasks]
-        return 100 * float(np.mean(present)) if present else None
+        present = [t for t in kept if t in tasks]
+        covered.update(present)
+        return 100 * float(np.mean([tasks[t].mean() for t in present])) if present else None
 
     if policy == "full":
         value = average(1.0)
@@ -237,7 +256,8 @@ def _plot_policy(ax, scores, length, protocol, policy, kept, colour) -> None:
     points = [(b, v) for b, v in points if v is not None]
     if points:
         style = {"color": "k", "linewidth": 2} if policy == "oracle" else {"color": colour}
-        ax.plot(*zip(*points), marker="o", markersize=3, label=policy, **style)
+        label = policy if len(covered) == len(kept) else f"{policy} ({len(covered)} of {len(kept)} tasks)"
+        ax.plot(*zip(*points), marker="o", markersize=3, label=label, **style)
 
 
 def write(results: Path) -> Path:
