@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import adaptive_weights, common, kernel, overhead, profile, pyref, report, step_trace
+from bench import adaptive_weights, common, kernel, overhead, profile, pyref, report, ruler_depth, step_trace
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -148,3 +148,26 @@ def test_adaptive_weights_are_a_distribution_per_layer(tmp_path, capsys):
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
     assert (tmp_path / "weights.png").stat().st_size > 0
     assert "final weight of each expert per layer" in capsys.readouterr().out
+
+
+def test_ruler_depth_counts_hits_by_the_needles_distance_from_the_end(tmp_path, capsys):
+    from flsmem.harness.ruler.tasks import make_sample
+    from flsmem.models.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    # After the answer: " bbb" and the question " q?", one token a byte.
+    hand = {"context": "aa 1234567 bbb", "question": " q?", "answers": ["1234567"]}
+    assert ruler_depth.distance_to_end(hand, tokenizer) == 7
+    distances = [ruler_depth.distance_to_end(make_sample("niah_single_1", 2048, i, tokenizer, 0), tokenizer)
+                 for i in range(2)]
+    assert distances[0] < distances[1]
+    budget = 2 * distances[0] + 2  # sample 0 inside the recent window, sample 1 outside
+    rows = [{"model": "tiny", "task": "niah_single_1", "length": 2048, "index": i, "seed": 0, "policy": policy,
+             "protocol": "stream", "budget": 0.5, "evict_every": 16, "budget_tokens": budget, "score": score}
+            for i in range(2) for policy, score in (("full", 1.0), ("h2o", float(i == 1)))]
+    path = tmp_path / "tiny.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ruler_depth.main([str(path)])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("h2o"))
+    # The full cache is not counted; h2o missed the needle inside and found the one outside.
+    assert line.split() == ["h2o", "stream", str(budget), "0", "/", "1", "1", "/", "1"]

@@ -1,0 +1,70 @@
+"""Where the needle was when a policy found it: RULER hits against the needle's distance
+from the end of the prompt.
+
+Reads a results file of ``flsmem ruler``, draws each answered sample again (same task,
+length, index and seed: the generators are deterministic) and measures, in the model's
+tokens, how far the needle's answer lies from the end of the prompt. As ``make_policy``
+builds them, h2o, rmm, ema, kalman, adaptive, the learned policies and the oracle keep
+the last half of their budget whatever their scores (a recent window), so a needle
+closer to the end than that is kept by recency; a hit further back is one the score
+found. Only the tasks with one answer (the single-needle and multi-key tasks) count.
+
+    python -m bench.ruler_depth results/ruler/smollm2-135m-4k-stream.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from pathlib import Path
+
+from flsmem.harness.ruler import report
+from flsmem.harness.ruler.tasks import make_sample
+from flsmem.models import catalog
+
+# The tasks whose answer is one string that occurs once in the context.
+ONE_ANSWER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+              "niah_multikey_3")
+
+
+def distance_to_end(sample: dict, tokenizer) -> int:
+    """Tokens of the prompt (context and question) after the needle's answer."""
+    context = sample["context"]
+    after = context[context.index(sample["answers"][0]) + len(sample["answers"][0]):]
+    return len(tokenizer.encode(after)) + len(tokenizer.encode(sample["question"]))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.ruler_depth", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="a JSON-lines file of flsmem ruler")
+    args = parser.parse_args(argv)
+    if not args.results.is_file():
+        parser.error(f"results must be a file of flsmem ruler, got {str(args.results)!r}")
+    rows = [r for r in report.load(args.results) if r["task"] in ONE_ANSWER]
+    tokenizer = catalog.load_tokenizer(rows[0]["model"]) if rows else None
+    distances = {}
+    for r in rows:
+        key = (r["task"], r["length"], r["index"], r["seed"])
+        if key not in distances:
+            task, length, index, seed = key
+            distances[key] = distance_to_end(make_sample(task, length, index, tokenizer, seed), tokenizer)
+    # (policy, budget tokens) -> {inside the recent window: [hits, samples]}
+    counts = defaultdict(lambda: {True: [0, 0], False: [0, 0]})
+    for r in rows:
+        if r["policy"] == "full":
+            continue
+        inside = distances[(r["task"], r["length"], r["index"], r["seed"])] < r["budget_tokens"] // 2
+        counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside][0] += r["score"]
+        counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside][1] += 1
+    print(f"{args.results.name}: {len(distances)} samples of {', '.join(sorted({k[0] for k in distances}))}")
+    print("hits / samples with the needle inside the recent window (the last half-budget of the prompt) "
+          "and outside it")
+    width = max([len("policy")] + [len(policy) for policy, _, _ in counts])
+    print(f"{'policy':<{width}}  {'protocol':<17}  {'budget':>6}  {'inside':>9}  {'outside':>9}")
+    for (policy, protocol, budget), by in sorted(counts.items()):
+        cells = [f"{by[side][0]:g} / {by[side][1]}" for side in (True, False)]
+        print(f"{policy:<{width}}  {protocol:<17}  {budget:>6}  {cells[0]:>9}  {cells[1]:>9}")
+
+
+if __name__ == "__main__":
+    main()
