@@ -68,26 +68,28 @@ def _scores(rows: list[dict]) -> dict[tuple, dict[str, np.ndarray]]:
             for arm, tasks in _by_sample(rows).items()}
 
 
-def _interval(per_task: list[np.ndarray], rng: np.random.Generator) -> tuple[float, float, float]:
-    """Mean over tasks of each task's mean, and its 95% percentile-bootstrap interval."""
+def _interval(per_task: list[np.ndarray]) -> tuple[float, float, float]:
+    """Mean over tasks of each task's mean, and its 95% percentile-bootstrap interval
+    (seeded here, so a figure that appears twice in a report has one interval)."""
+    rng = np.random.default_rng(0)
     mean = float(np.mean([s.mean() for s in per_task]))
     draws = np.mean([s[rng.integers(len(s), size=(RESAMPLES, len(s)))].mean(axis=1) for s in per_task], axis=0)
     low, high = np.percentile(draws, [2.5, 97.5])
     return mean, float(low), float(high)
 
 
-def _cell(per_task: list[np.ndarray] | None, rng: np.random.Generator) -> str:
+def _cell(per_task: list[np.ndarray] | None) -> str:
     if not per_task:
         return "–"
-    mean, low, high = _interval(per_task, rng)
+    mean, low, high = _interval(per_task)
     return f"{100 * mean:.0f} [{100 * low:.0f}–{100 * high:.0f}]"
 
 
-def _average(got: dict[str, np.ndarray], tasks: list[str], rng: np.random.Generator) -> str:
+def _average(got: dict[str, np.ndarray], tasks: list[str]) -> str:
     """The average of ``got`` over ``tasks`` (the kept tasks the table holds): one that
     lacks some of them says over how many, since its figure is not comparable."""
     have = [t for t in tasks if t in got]
-    cell = _cell([got[t] for t in have], rng)
+    cell = _cell([got[t] for t in have])
     return cell if not have or len(have) == len(tasks) else f"{cell} ({len(have)} of {len(tasks)} tasks)"
 
 
@@ -111,7 +113,7 @@ def _arms(scores: dict, length: int, protocol: str, policies: list[str]) -> list
     return sorted(found, key=lambda arm: (policies.index(arm[0]), arm[1]))
 
 
-def _summary(scores, length, policies, kept, rng) -> list[str]:
+def _summary(scores, length, policies, kept) -> list[str]:
     """Average accuracy: a row per policy, a column per protocol and budget."""
     columns = sorted({(proto, b) for (n, proto, p, b) in scores if n == length and p != "full"},
                      key=lambda c: (PROTOCOLS.index(c[0]) if c[0] in PROTOCOLS else 9, c[1]))
@@ -122,12 +124,12 @@ def _summary(scores, length, policies, kept, rng) -> list[str]:
         for proto, b in columns:
             # The full cache answers alike under every protocol and budget: its one figure in every column.
             tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
-            cells.append(_average(tasks, _present(scores, length, kept, proto), rng) if tasks else "–")
+            cells.append(_average(tasks, _present(scores, length, kept, proto)) if tasks else "–")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _protocol_table(scores, length, protocol, policies, kept, beyond, rng) -> list[str]:
+def _protocol_table(scores, length, protocol, policies, kept, beyond) -> list[str]:
     """Every task: a row per policy and budget, a column per task and the average."""
     tasks = [t for t in TASKS if any(t in s for (n, proto, _, _), s in scores.items()
                                      if n == length and proto == protocol)]
@@ -135,14 +137,14 @@ def _protocol_table(scores, length, protocol, policies, kept, beyond, rng) -> li
     lines = ["| policy | budget | " + " | ".join(header) + " | average |", "|---" * (len(tasks) + 3) + "|"]
     for policy, budget in _arms(scores, length, protocol, policies):
         got = scores[(length, protocol, policy, budget)]
-        cells = [_cell([got[t]] if t in got else None, rng) for t in tasks]
-        average = _average(got, [t for t in tasks if t in kept], rng)
+        cells = [_cell([got[t]] if t in got else None) for t in tasks]
+        average = _average(got, [t for t in tasks if t in kept])
         lines.append(f"| {policy} | {'full' if policy == 'full' else f'{budget:g}'} | " + " | ".join(cells)
                      + f" | {average} |")
     return lines
 
 
-def _difference(arm: dict, reference: dict, kept: list[str], rng: np.random.Generator) -> str:
+def _difference(arm: dict, reference: dict, kept: list[str]) -> str:
     """``arm`` minus ``reference`` on the samples both answered, averaged over the kept
     tasks, with its paired 95% interval and the number of pairs."""
     pairs = []
@@ -152,11 +154,11 @@ def _difference(arm: dict, reference: dict, kept: list[str], rng: np.random.Gene
             pairs.append(np.array([arm[task][i] - reference[task][i] for i in common]))
     if not pairs:
         return "–"
-    mean, low, high = _interval(pairs, rng)
+    mean, low, high = _interval(pairs)
     return f"{100 * mean:+.0f} [{100 * low:+.0f}, {100 * high:+.0f}] ({sum(map(len, pairs))})"
 
 
-def _paired(by_sample, length, policies, kept, rng) -> list[str]:
+def _paired(by_sample, length, policies, kept) -> list[str]:
     """Every evicting policy against :data:`REFERENCE` at the same budget and at twice
     it, paired over samples; nothing when the reference was not run."""
     arms = sorted(((proto, p, b) for (n, proto, p, b) in by_sample
@@ -172,7 +174,7 @@ def _paired(by_sample, length, policies, kept, rng) -> list[str]:
              f"| protocol | policy | budget | minus {REFERENCE} | minus {REFERENCE} at twice the budget |",
              "|---|---|---|---|---|"]
     for protocol, policy, budget in arms:
-        cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept, rng)
+        cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept)
                  if key in by_sample else "–"
                  for key in ((length, protocol, REFERENCE, budget), (length, protocol, REFERENCE, 2 * budget))]
         lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
@@ -182,7 +184,6 @@ def _paired(by_sample, length, policies, kept, rng) -> list[str]:
 def format_report(rows: list[dict], title: str) -> str:
     """The markdown report of ``rows``."""
     by_sample, scores, policies = _by_sample(rows), _scores(rows), _policies(rows)
-    rng = np.random.default_rng(0)
     lines = [f"# {title}", "",
              "Accuracy in percent (RULER's string match: the share of the gold answers found in the answer), "
              f"mean over samples with a 95% percentile-bootstrap interval ({RESAMPLES} resamples). Budgets are "
@@ -196,11 +197,11 @@ def format_report(rows: list[dict], title: str) -> str:
         lines += [f"## {length} tokens", "",
                   f"Samples per task: {', '.join(map(str, samples))}. Beyond the model: "
                   f"{', '.join(sorted(beyond)) or 'none'}.", "", "### Average accuracy", ""]
-        lines += _summary(scores, length, policies, kept, rng) + [""]
+        lines += _summary(scores, length, policies, kept) + [""]
         for protocol in [p for p in PROTOCOLS if any(k[0] == length and k[1] == p for k in scores)]:
             lines += [f"### {protocol}", ""]
-            lines += _protocol_table(scores, length, protocol, policies, kept, beyond, rng) + [""]
-        lines += _paired(by_sample, length, policies, kept, rng)
+            lines += _protocol_table(scores, length, protocol, policies, kept, beyond) + [""]
+        lines += _paired(by_sample, length, policies, kept)
     return "\n".join(lines)
 
 
