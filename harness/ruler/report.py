@@ -51,7 +51,8 @@ def _policies(rows: list[dict]) -> list[str]:
     from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
 
     order = {name: i for i, name in enumerate(POLICY_NAMES + LEARNED_NAMES)}
-    return sorted({r["policy"] for r in rows}, key=lambda name: order.get(name, len(order)))
+    # Names outside the registry (wrapped ones) by name, so that the order is the same every run.
+    return sorted({r["policy"] for r in rows}, key=lambda name: (order.get(name, len(order)), name))
 
 
 def _by_sample(rows: list[dict]) -> dict[tuple, dict[str, dict[int, float]]]:
