@@ -48,14 +48,15 @@ def main(argv=None):
         if key not in distances:
             task, length, index, seed = key
             distances[key] = distance_to_end(make_sample(task, length, index, tokenizer, seed), tokenizer)
-    # (policy, budget tokens) -> {inside the recent window: [hits, samples]}
+    # (policy, protocol, budget tokens) -> {inside the recent window: [hits, samples]}
     counts = defaultdict(lambda: {True: [0, 0], False: [0, 0]})
     for r in rows:
         if r["policy"] == "full":
             continue
         inside = distances[(r["task"], r["length"], r["index"], r["seed"])] < r["budget_tokens"] // 2
-        counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside][0] += r["score"]
-        counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside][1] += 1
+        tally = counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside]
+        tally[0] += r["score"]
+        tally[1] += 1
     print(f"{args.results.name}: {len(distances)} samples of {', '.join(sorted({k[0] for k in distances}))}")
     print("hits / samples with the needle inside the recent window (the last half-budget of the prompt) "
           "and outside it")

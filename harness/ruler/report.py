@@ -223,9 +223,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for row, length in enumerate(lengths):
         kept = [t for t in TASKS if t not in _beyond(scores, length)]
         for col, protocol in enumerate(protocols):
-            ax = axes[row][col]
+            ax, panel = axes[row][col], _present(scores, length, kept, protocol)
             for i, policy in enumerate(policies):
-                _plot_policy(ax, scores, length, protocol, policy, _present(scores, length, kept, protocol), colours(i))
+                _plot_policy(ax, scores, length, protocol, policy, panel, colours(i))
             ax.set_xscale("log", base=2)
             ax.set_title(f"{protocol}, {length} tokens", fontsize=9)
             ax.set_xlabel("budget (fraction of the prompt)")
