@@ -93,9 +93,14 @@ def attend(
     grouped = q if jnp.ndim(q) == 5 else q.reshape(b, t, kv_heads, -1, head_dim)
     if memory.config.policy.fold_queries is not None:
         memory = _fold_queries(memory, grouped, position, layer)
-    logits = jnp.einsum("BTKGD,BKSD->BKGTS", grouped, keys) * (head_dim ** -0.5 if scale is None else scale)
+    # Both products keep the slots last and the queries in the order the softmax reads
+    # them: written with the queries' own [B, T, ...] order, XLA on CPU laid the logits
+    # out slots-first and transposed them twice around the softmax (at a prefill chunk
+    # of 128 queries over 4,096 slots, those passes cost as much as the products).
+    queries = jnp.moveaxis(grouped, 1, 3)  # [B, K, G, T, D]
+    logits = jnp.einsum("BKGTD,BKSD->BKGTS", queries, keys) * (head_dim ** -0.5 if scale is None else scale)
     probs = jax.nn.softmax(jnp.where(seen[:, :, None], logits, -jnp.inf), axis=-1)
-    out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, values).reshape(q.shape)
+    out = jnp.moveaxis(jnp.einsum("BKGTS,BKSD->BKGTD", probs, values), 3, 1).reshape(q.shape)
     evidence = reduce_query_heads(probs, memory.config.policy)  # [B, K, T, S]
     if fold:
         memory = _fold(memory, evidence, correctness, layer)
