@@ -84,12 +84,12 @@ def main(argv=None):
             rows.append(row)
             print(f"prefix {prefix:6d} {policy:5s}: peak {row['peak_mb']:8.0f} MB, {row['seconds']:7.1f} s, "
                   f"nll {row['nll']:.4f}", flush=True)
-    reference = rows[0]["seconds"]
-    for row in rows:
-        row["time_vs_first_full"] = row["seconds"] / reference
-    path = common.save(args.out, {"model": args.model, "budget": BUDGET, "chunk": CHUNK, "scored": args.scored,
-                                  "rows": rows})
-    plot(rows, path.with_suffix(".png"))
+            for done in rows:
+                done["time_vs_first_full"] = done["seconds"] / rows[0]["seconds"]
+            # Saved after every run: the longest prefixes take the better part of an hour.
+            path = common.save(args.out, {"model": args.model, "budget": BUDGET, "chunk": CHUNK,
+                                          "scored": args.scored, "rows": rows})
+            plot(rows, path.with_suffix(".png"))
     print(f"wrote {path} and its plot")
 
 
