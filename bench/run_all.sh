@@ -19,6 +19,8 @@ $python -m bench.overhead --models smollm2 --batch 1,8 --policies 'rmm,adakv(rmm
 $python -m bench.profile --batch 1,8 --cores 1
 $python -m bench.longctx --batch 1,8
 $python -m bench.prefill_memory
+# One prefill chunk against the plain forward; how its "before" rows were made: bench/NOTES.md.
+$python -m bench.prefill_chunk --rounds 3
 $python -m bench.pyref --cores 1
 $python -m bench.step_trace --cores 1
 $python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import adaptive_weights, common, kernel, overhead, profile, pyref, report, ruler_depth, step_trace
+from bench import (adaptive_weights, common, kernel, overhead, prefill_chunk, profile, pyref, report, ruler_depth,
+                   step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -125,6 +126,24 @@ def test_step_trace_names_the_operations_of_the_step(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("h2o, N=24 rows=2 evict_every=1")
     assert 1 < len(lines) <= 6 and all(float(line.split()[0]) >= 0 for line in lines[1:])
+
+
+def test_a_prefill_chunk_is_the_plain_forward_of_its_tokens():
+    memories, prefill, plain, tokens = prefill_chunk.chunk_functions(MODEL, 40, 16)
+    last, memories = prefill(memories, tokens)
+    np.testing.assert_allclose(last, plain(tokens), atol=1e-5)
+    assert memories.evictable.valid.shape[-1] == 40 and int(memories.evictable.valid.sum()) == 2 * 2 * 16
+
+
+def test_prefill_chunk_writes_its_ratio_and_operations_and_the_report_shows_them(results, capsys):
+    prefill_chunk.main(["--model", "tiny", "--slots", "64", "--chunk", "16", "--rounds", "1", "--top", "3"])
+    row = json.loads((results / "prefill-chunk.json").read_text())["rows"][0]
+    assert row["slots"] == 64 and row["vs_plain"]["median"] > 0 and 1 <= len(row["operations"]) <= 3
+    assert "x" in capsys.readouterr().out
+    text = report.build()
+    assert "One prefill chunk against the plain forward" in text and f"`{row['operations'][0]['operation']}`" in text
+    with pytest.raises(SystemExit):
+        prefill_chunk.main(["--model", "tiny", "--slots", "20", "--chunk", "16"])
 
 
 def test_quick_pyref_is_one_size_on_one_core():
