@@ -136,6 +136,11 @@ def test_reduce_query_heads():
     att = jnp.arange(2 * 1 * 3 * 4, dtype=jnp.float32).reshape(2, 1, 3, 4)
     np.testing.assert_allclose(flsmem.reduce_query_heads(att, "mean"), att.mean(axis=2))
     np.testing.assert_allclose(flsmem.reduce_query_heads(att, P.h2o().replace(head_reduction="max")), att.max(axis=2))
+    chunk = jax.random.uniform(jax.random.key(0), (1, 2, 4, 3, 5))  # [B, K, G, Q, S]
+    for rule, reference in (("mean", np.mean), ("sum", np.sum), ("max", np.max)):
+        np.testing.assert_allclose(flsmem.reduce_query_heads(chunk, rule), reference(chunk, axis=2), rtol=1e-6)
+    one_head = chunk[:, :, :1]
+    np.testing.assert_array_equal(flsmem.reduce_query_heads(one_head, "mean"), one_head[:, :, 0])
     with pytest.raises(ValueError, match="attention"):
         flsmem.reduce_query_heads(att[0], "mean")
     with pytest.raises(ValueError, match="head reduction"):
