@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 
+from bench import prefill_memory
 from bench.common import RESULTS
 
 OUT = pathlib.Path("results") / "BENCHMARKS.md"
@@ -202,6 +204,11 @@ def prefill_memory_section(record) -> list[str]:
     for row in record["rows"]:
         lines.append(f"| {row['prefix']} | {row['policy']} | {row['peak_mb']:.0f} | "
                      f"x{row['time_vs_first_full']:.2f} | {row['nll']:.4f} |")
+    # The table is saved after every run, so a stopped run leaves the prefixes its command asked for undone.
+    asked = prefill_memory.parse(shlex.split(record["command"])[3:]).prefixes
+    undone = sorted(set(asked) - {row["prefix"] for row in record["rows"]})
+    if undone:
+        lines += ["", f"The run was stopped before it reached {', '.join(map(str, undone))} tokens (bench/NOTES.md)."]
     return lines + command_block(record)
 
 

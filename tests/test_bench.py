@@ -146,6 +146,19 @@ def test_prefill_chunk_writes_its_ratio_and_operations_and_the_report_shows_them
         prefill_chunk.main(["--model", "tiny", "--slots", "20", "--chunk", "16"])
 
 
+def test_the_report_says_which_prefixes_a_stopped_memory_run_left_undone(results):
+    row = {"prefix": 256, "policy": "h2o", "peak_mb": 900.0, "seconds": 2.0, "time_vs_first_full": 1.0, "nll": 3.0}
+    record = {"command": "python -m bench.prefill_memory --model tiny --prefixes 256,512,1024 --scored 64",
+              "commit": "abc", "machine": {"cpu_cores": 2, "cpu": "x86_64", "backend": "cpu", "jax": "0",
+                                           "python": "3", "os": "Linux", "devices": ["cpu"]},
+              "model": "tiny", "budget": 512, "chunk": 16, "scored": 64, "rows": [row]}
+    (results / "prefill-memory.json").write_text(json.dumps(record))
+    assert "stopped before it reached 512, 1024 tokens" in report.build()
+    (results / "prefill-memory.json").write_text(json.dumps({**record, "command": record["command"].replace(
+        "256,512,1024", "256")}))
+    assert "stopped before it reached" not in report.build()
+
+
 def test_quick_pyref_is_one_size_on_one_core():
     args = pyref.parse(["--quick"])
     assert (args.sizes, args.rounds, args.cores, args.out) == ([1024], 3, 1, "pyref-quick")
