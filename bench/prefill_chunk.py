@@ -30,17 +30,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import flsmem
 from bench import common
 from bench.step_trace import fused_from
+from flsmem import policies as P
+from flsmem.models.decoder import init_memories
 
 
 def chunk_functions(model, slots: int, chunk: int):
     """``(memories, prefill, plain, tokens)``: empty memories of ``slots`` slots, the
     jitted chunk through them (donating them), the jitted plain forward, the tokens."""
-    import flsmem
-    from flsmem import policies as P
-    from flsmem.models.decoder import init_memories
-
     # Capacity is budget + evict_every + max_chunk - 1: exactly ``slots``.
     config = flsmem.MemoryConfig(policy=P.h2o(), budget=slots - 2 * chunk + 1, evict_every=chunk, max_chunk=chunk)
     memories = init_memories(model.cfg, config, 1)
