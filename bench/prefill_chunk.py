@@ -17,13 +17,8 @@ part of the ratio is the attention over N slots that any prefill of that length 
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import gzip
-import json
-import pathlib
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +27,7 @@ from flax import nnx
 
 import flsmem
 from bench import common
-from bench.step_trace import fused_from
+from bench.step_trace import operation_times
 from flsmem import policies as P
 from flsmem.models.decoder import init_memories
 
@@ -61,21 +56,10 @@ def chunk_functions(model, slots: int, chunk: int):
 
 def top_operations(fn, args, top: int, calls: int = 2) -> list[dict]:
     """The ``top`` costliest operations of one call of ``fn(*args())`` (ms per call)."""
-    common.block(fn(*args()))
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            for _ in range(calls):
-                common.block(fn(*args()))
-        events = json.load(gzip.open(next(pathlib.Path(folder).rglob("*.trace.json.gz"))))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    origin = fused_from(fn.func.lower(*fn.args, *args()).compile().as_text())
-    per_call = collections.Counter()
-    for event in events:
-        if event.get("ph") == "X" and event["name"] in origin:
-            per_call[event["name"]] += event["dur"] / 1000 / calls
+    per_call, origin = operation_times(fn.func, lambda: (*fn.args, *args()), calls)
     total = sum(per_call.values())
-    return [{"operation": name, "ms": ms, "share": ms / total, "from": origin[name]}
-            for name, ms in per_call.most_common(top)]
+    return [{"operation": name, "ms": us / 1000, "share": us / total, "from": origin[name]}
+            for name, us in per_call.most_common(top)]
 
 
 def main(argv=None):

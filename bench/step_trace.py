@@ -46,6 +46,25 @@ def fused_from(hlo: str) -> dict[str, str]:
     return origin
 
 
+def operation_times(fn, args, calls: int, **static) -> tuple[collections.Counter, dict[str, str]]:
+    """Microseconds per call of each XLA operation of the jitted ``fn(*args(), **static)``
+    under ``jax.profiler`` (``calls`` calls after a warm-up), and the JAX operations each
+    was fused from."""
+    jax.block_until_ready(fn(*args(), **static))
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args(), **static))
+        events = json.load(gzip.open(next(pathlib.Path(folder).rglob("*.trace.json.gz"))))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    origin = fused_from(fn.lower(*args(), **static).compile().as_text())
+    per_call = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event["name"] in origin:
+            per_call[event["name"]] += event["dur"] / calls
+    return per_call, origin
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4096, help="items per row")
@@ -62,20 +81,8 @@ def main(argv=None):
     memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n, policy=POLICIES[args.policy]())
     attention = jnp.full((1, args.rows, memory.slots), 1.0 / args.n)
     fresh = common.fresh(memory)
-    jax.block_until_ready(flsmem_steps(*fresh(), attention, steps=args.steps))
-    calls = 3
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            for _ in range(calls):
-                jax.block_until_ready(flsmem_steps(*fresh(), attention, steps=args.steps))
-        trace = next(pathlib.Path(folder).rglob("*.trace.json.gz"))
-        events = json.load(gzip.open(trace))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    origin = fused_from(flsmem_steps.lower(*fresh(), attention, steps=args.steps).compile().as_text())
-    per_step = collections.Counter()
-    for event in events:
-        if event.get("ph") == "X" and event["name"] in origin:
-            per_step[event["name"]] += event["dur"] / (calls * args.steps)
+    per_call, origin = operation_times(flsmem_steps, lambda: (*fresh(), attention), 3, steps=args.steps)
+    per_step = collections.Counter({name: us / args.steps for name, us in per_call.items()})
     print(f"{args.policy}, N={args.n} rows={args.rows} evict_every={args.evict_every}: time per step of each "
           "operation (us)")
     for name, us in per_step.most_common(args.top):
