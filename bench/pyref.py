@@ -134,6 +134,20 @@ def floor_steps(scores, attention, *, steps):
     return jax.lax.scan(step, scores, jnp.arange(steps, dtype=jnp.int32))[0]
 
 
+def random_weights(rng, rows: int, n: int) -> np.ndarray:
+    """Each row's attention over ``n + 1`` items: uniform random, summing to one (no
+    ties, as real attention has none)."""
+    weights = rng.random((rows, n + 1)).astype(np.float32)
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
+def slot_attention(weights: np.ndarray, slots: int) -> jax.Array:
+    """``weights [rows, n + 1]`` as a step's attention ``[1, rows, slots]`` (slots past
+    the items get none)."""
+    n = min(weights.shape[1], slots)
+    return jnp.zeros((1, weights.shape[0], slots)).at[0, :, :n].set(weights[:, :n])
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.pyref", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=common.positive_ints, default=[1024, 4096, 16384], help="N, items per row")
@@ -169,8 +183,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     rows = []
     for n in args.sizes:
-        weights = rng.random((args.rows, n + 1)).astype(np.float32)
-        weights /= weights.sum(axis=1, keepdims=True)
+        weights = random_weights(rng, args.rows, n)
         py_attention = weights.tolist()  # plain floats: the fastest input for a Python loop
 
         def python_call():
@@ -187,9 +200,8 @@ def main(argv=None):
         for ee in args.evict_every:
             memory = flsmem_memory(args.rows, n, ee, n)
             s = memory.slots
-            attention = jnp.zeros((1, args.rows, s)).at[0, :, : n + 1].set(weights[:, : min(n + 1, s)])
             variants[f"flsmem/{ee}"] = (common.fresh(memory),
-                                        lambda m, a=attention: flsmem_steps(m, a, steps=args.steps))
+                                        lambda m, a=slot_attention(weights, s): flsmem_steps(m, a, steps=args.steps))
         # The profile of a step by stage (no eviction falls due in these calls: with
         # evict_every twice the steps the rows never reach budget + evict_every), and
         # the learned estimator's whole step.
@@ -197,9 +209,9 @@ def main(argv=None):
         profile = [(stage, 2 * args.steps, stage, None) for stage in STAGES[:3]]
         for stage, ee, stages, policy in profile + [("learned", 32, "update", learner)]:
             memory = flsmem_memory(args.rows, n, ee, n, policy=policy)
-            attention = jnp.zeros((1, args.rows, memory.slots)).at[0, :, : n + 1].set(weights[:, : n + 1])
             variants[stage] = (common.fresh(memory),
-                               lambda m, a=attention, st=stages: flsmem_steps(m, a, steps=args.steps, stages=st))
+                               lambda m, a=slot_attention(weights, memory.slots), st=stages:
+                               flsmem_steps(m, a, steps=args.steps, stages=st))
         floor_attention = jnp.asarray(weights)
         variants["floor"] = (common.fresh(jnp.zeros_like(floor_attention)),
                              lambda s, a=floor_attention: floor_steps(s, a, steps=args.steps))

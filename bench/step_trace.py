@@ -24,11 +24,11 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from bench import common
 from bench.overhead import POLICIES
-from bench.pyref import flsmem_memory, flsmem_steps
+from bench.pyref import flsmem_memory, flsmem_steps, random_weights, slot_attention
 
 
 def fused_from(hlo: str) -> dict[str, str]:
@@ -79,7 +79,8 @@ def main(argv=None):
         parser.error("--n, --rows, --evict-every, --steps and --top must be >= 1")
     common.set_timing(args)
     memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n, policy=POLICIES[args.policy]())
-    attention = jnp.full((1, args.rows, memory.slots), 1.0 / args.n)
+    # The attention bench.pyref times (its first size's draw): random, so no scores tie.
+    attention = slot_attention(random_weights(np.random.default_rng(0), args.rows, args.n), memory.slots)
     fresh = common.fresh(memory)
     per_call, origin = operation_times(flsmem_steps, lambda: (*fresh(), attention), 3, steps=args.steps)
     per_step = collections.Counter({name: us / args.steps for name, us in per_call.items()})

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flsmem.kernels.topk import topk_mask
-from flsmem.state import MemoryState, age, check_state, present
+from flsmem.state import MemoryState, age, check_state, count, present
 from flsmem.typing import Array, Bool, Float
 
 __all__ = ["evict", "is_due", "priority", "protected"]
@@ -58,9 +58,7 @@ def is_due(state: MemoryState, budget: int | None = None) -> Bool[Array, "B K"]:
     Returns:
       ``[B, K]`` bool.
     """
-    # Counted in float32 (exact below 2**24 slots): a float sum vectorises, an int sum
-    # of a bool mask runs about twice as long on CPU.
-    n_present = jnp.sum(jnp.where(present(state), 1.0, 0.0), axis=-1).astype(jnp.int32)
+    n_present = count(present(state))
     if not state.config.policy.evicts:
         return jnp.zeros(n_present.shape, jnp.bool_)
     if state.config.policy.head_budget is not None:
@@ -112,11 +110,11 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
     target = config.budget if budget is None else budget
     due = is_due(state, budget)
 
-    def top(scores, count, tiebreak, max_dropped=None):
-        """The top-``count`` mask of each row of ``scores [..., N]``."""
+    def top(scores, kept, tiebreak, max_dropped=None):
+        """The top-``kept`` mask of each row of ``scores [..., N]``."""
         n = scores.shape[-1]
         return topk_mask(
-            scores.reshape(-1, n), jnp.reshape(count, -1),
+            scores.reshape(-1, n), jnp.reshape(kept, -1),
             tiebreak=tiebreak.reshape(-1, n),
             implementation=config.implementation,
             interpret=config.interpret,
@@ -124,7 +122,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         ).reshape(scores.shape)
 
     def run(changed):
-        n_waiting = jnp.sum(state.valid & ~present(state), axis=-1, dtype=jnp.int32)
+        n_waiting = count(state.valid & ~present(state))
         rank = priority(state)
         head_budget = config.policy.head_budget
         if head_budget is None:
@@ -139,7 +137,7 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
         # Float sums stay per (row, head): summed over heads they would round
         # differently when the heads are split over devices (see MemoryStats).
         stats = stats.replace(
-            evictions=stats.evictions + jnp.sum(evicted, axis=(1, 2), dtype=jnp.int32),
+            evictions=stats.evictions + count(evicted, axis=(1, 2)),
             evicted_age=stats.evicted_age + jnp.sum(jnp.where(evicted, ages, 0.0), axis=-1),
             evicted_score=stats.evicted_score + jnp.sum(jnp.where(evicted, state.score, 0.0), axis=-1),
         )
@@ -168,5 +166,5 @@ def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top):
     safe = top(rank, floor + n_waiting, birth) & held
     allowed = top(rank, ceiling + n_waiting, birth)
     joint = jnp.where(safe, jnp.inf, jnp.where(allowed, rank, -jnp.inf))
-    count = k * target + jnp.sum(n_waiting, axis=-1)
-    return top(joint.reshape(b, k * s), count, birth.reshape(b, k * s)).reshape(b, k, s)
+    kept = k * target + jnp.sum(n_waiting, axis=-1)
+    return top(joint.reshape(b, k * s), kept, birth.reshape(b, k * s)).reshape(b, k, s)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flsmem.policies import SlotView
-from flsmem.state import MemoryState, age, check_state, present
+from flsmem.state import MemoryState, age, check_state, count, present
 
 __all__ = ["smooth", "FALLBACK_SCALE"]
 
@@ -46,7 +46,7 @@ def smooth(state: MemoryState) -> MemoryState:
 
     def with_fallbacks(raw):
         not_finite = here & ~jnp.isfinite(raw)
-        fell_back = jnp.sum(not_finite, axis=(1, 2), dtype=jnp.int32)
+        fell_back = count(not_finite, axis=(1, 2))
         if policy.fallback_score is not None:
             # One scale per row: a row with any bad score is ranked wholly by the fallback.
             row_bad = jnp.any(not_finite, axis=-1, keepdims=True)

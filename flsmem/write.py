@@ -8,7 +8,7 @@ from jax import lax
 
 from flsmem import validate
 from flsmem.evict import priority
-from flsmem.state import MemoryState, check_state
+from flsmem.state import MemoryState, check_state, count
 from flsmem.typing import Array, Bool, Int, PyTree
 
 __all__ = ["write", "write_slots"]
@@ -120,7 +120,7 @@ def _write_slots(state, payload, position, mask):
     else:
         new_evidence = policy.init_evidence(policy, payload, per_head(position), per_head(birth))
     stats = state.stats.replace(
-        forced_writes=state.stats.forced_writes + jnp.sum(forced, axis=(1, 2), dtype=jnp.int32)
+        forced_writes=state.stats.forced_writes + count(forced, axis=(1, 2))
     )
     state = state.replace(
         position=put(state.position, per_head(position)),

@@ -221,3 +221,13 @@ def test_oracle_requires_future_and_key_norm_requires_its_leaf():
     state = flsmem.init(testing.tiny_config(policy=P.key_norm(leaf="keys"), budget=4), 2, 2, {"k": (4,)})
     with pytest.raises(ValueError, match="keys"):
         flsmem.write(state, {"k": jnp.zeros((2, 2, 4))}, jnp.zeros(2, jnp.int32))
+
+
+def test_count_matches_numpy_over_any_axes():
+    from flsmem.state import count
+
+    mask = np.random.default_rng(0).random((2, 3, 50)) < 0.3
+    for axis, expected in ((-1, mask.sum(-1)), ((1, 2), mask.sum((1, 2))), (None, mask.sum())):
+        got = count(jnp.asarray(mask), axis=axis)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, expected)

@@ -272,6 +272,9 @@ def test_max_dropped_typical_eviction_and_ties():
         tb = rng.integers(0, 5, size=(6, 40)).astype(np.int32)
         got = topk_mask(scores, 32, tiebreak=jnp.asarray(tb), implementation="xla", max_dropped=8)
         np.testing.assert_array_equal(got, brute_force(scores, 32, tb))
+        # One left out (evict_every 1): the lowest is found by a min, not lax.top_k.
+        got = topk_mask(scores, 39, tiebreak=jnp.asarray(tb), implementation="xla", max_dropped=1)
+        np.testing.assert_array_equal(got, brute_force(scores, 39, tb))
     # Under jit with a traced k, and under vmap (where the branches become selects).
     k = jnp.asarray([40, 39, 32, 35, 33, 38], jnp.int32)
     few = jax.jit(lambda s, k: topk_mask(s, k, implementation="xla", max_dropped=8))
