@@ -165,6 +165,30 @@ def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     assert "| stream | h2o |" not in text
 
 
+def test_a_learned_policy_over_several_checkpoints_is_reported_per_checkpoint(tmp_path):
+    from flsmem.harness.ruler import report
+
+    # Two pretraining seeds of the learned policy on the same samples: kept apart, not
+    # one overwriting the other, and summarised over checkpoints.
+    rows = []
+    for index in range(4):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("vt", "h2o", "stream", 0.25, index, 0.0),
+                 {**_row("vt", "learned", "stream", 0.25, index, 1.0), "estimator": "seed0"},
+                 {**_row("vt", "learned", "stream", 0.25, index, float(index < 2)), "estimator": "seed1"}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = report.load(path)
+    assert len(loaded) == len(rows)
+    text = report.format_report(loaded, "t")
+    assert "| learned (seed0) | 0.25 | 100 [100–100] | 100 [100–100] |" in text
+    assert "| learned (seed1) | 0.25 | 50 [0–100] | 50 [0–100] |" in text
+    # Mean and sd (ddof 1) of 100 and 50 over the two checkpoints.
+    assert "| stream | learned | 0.25 | 1 | seed0 100, seed1 50 | 75.0 ± 35.4 |" in text
+    # One checkpoint only: the plain name.
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("estimator") != "seed1"))
+    assert "| learned | 0.25 |" in report.format_report(report.load(path), "t")
+
+
 def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypatch):
     from flsmem.harness.ruler import protocols, run
     from flsmem.models import catalog

@@ -22,11 +22,12 @@ import numpy as np
 from flsmem.harness.ruler.protocols import PROTOCOLS
 from flsmem.harness.ruler.tasks import TASKS
 
-__all__ = ["KEY", "BEYOND", "REFERENCE", "RESAMPLES", "load", "format_report", "plot", "write"]
+__all__ = ["KEY", "BEYOND", "REFERENCE", "RESAMPLES", "row_key", "load", "format_report", "plot", "write"]
 
 # The fields that name one answer in a results file: the runner does not redo a row
-# with the same values, and the report keeps the last of them.
-KEY = ("model", "task", "length", "index", "seed", "policy", "protocol", "budget", "evict_every")
+# with the same values, and the report keeps the last of them. ``estimator`` (the
+# checkpoint's folder name) is set for the learned policies only.
+KEY = ("model", "task", "length", "index", "seed", "policy", "protocol", "budget", "evict_every", "estimator")
 # Below this full-cache accuracy a task is beyond the model.
 BEYOND = 0.2
 # Accumulation, the baseline every other policy is paired against.
@@ -34,17 +35,32 @@ REFERENCE = "h2o"
 RESAMPLES = 2000
 
 
+def row_key(row: dict) -> tuple:
+    """The :data:`KEY` of a row (None for a field it lacks, as ``estimator`` outside
+    the learned policies).
+
+    Raises:
+      KeyError: when the row lacks a field that every row has.
+    """
+    return tuple(row[k] if k != "estimator" else row.get(k) for k in KEY)
+
+
 def load(path: Path) -> list[dict]:
     """The rows of a results file, the last one of each answer when repeated; a line
-    cut short by an interruption is skipped."""
+    cut short by an interruption is skipped. A policy answered with several estimator
+    checkpoints is reported once per checkpoint, as ``policy (checkpoint)``."""
     rows = {}
     for line in Path(path).read_text().splitlines():
         try:
             row = json.loads(line)
-            rows[tuple(row[k] for k in KEY)] = row
+            rows[row_key(row)] = row
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
-    return list(rows.values())
+    estimators = defaultdict(set)
+    for row in rows.values():
+        estimators[row["policy"]].add(row.get("estimator"))
+    return [{**row, "policy": f"{row['policy']} ({row.get('estimator')})"} if len(estimators[row["policy"]]) > 1
+            else row for row in rows.values()]
 
 
 def _policies(rows: list[dict]) -> list[str]:
@@ -182,6 +198,36 @@ def _paired(by_sample, length, policies, kept) -> list[str]:
     return lines + [""]
 
 
+def _checkpoints(scores, length, kept) -> list[str]:
+    """A policy answered with several estimator checkpoints: each checkpoint's average
+    over the tasks every one of them answered, and their mean and standard deviation
+    (ddof 1) over checkpoints; nothing when no policy was."""
+    groups = defaultdict(list)
+    for (n, protocol, label, budget) in scores:
+        if n == length and " (" in label:
+            groups[(protocol, label.split(" (")[0], budget)].append(label)
+    lines = []
+    for (protocol, policy, budget), labels in sorted(groups.items()):
+        if len(labels) < 2:
+            continue
+        arms = [scores[(length, protocol, label, budget)] for label in sorted(labels)]
+        shared = [t for t in kept if all(t in arm for arm in arms)]
+        if not shared:
+            continue
+        averages = [100 * float(np.mean([arm[t].mean() for t in shared])) for arm in arms]
+        cells = ", ".join(f"{label.split(' (')[1][:-1]} {a:.0f}" for label, a in zip(sorted(labels), averages))
+        lines.append(f"| {protocol} | {policy} | {budget:g} | {len(shared)} | {cells} | "
+                     f"{np.mean(averages):.1f} ± {np.std(averages, ddof=1):.1f} |")
+    if not lines:
+        return []
+    return ["### Over estimator checkpoints", "",
+            "A learned policy answered with several estimator checkpoints (pretraining seeds): each one's "
+            "average accuracy over the tasks all of them answered, and the mean ± standard deviation over "
+            "checkpoints.", "",
+            "| protocol | policy | budget | tasks | each checkpoint | mean ± sd |", "|---|---|---|---|---|---|",
+            *lines, ""]
+
+
 def format_report(rows: list[dict], title: str) -> str:
     """The markdown report of ``rows``."""
     by_sample, scores, policies = _by_sample(rows), _scores(rows), _policies(rows)
@@ -203,6 +249,7 @@ def format_report(rows: list[dict], title: str) -> str:
             lines += [f"### {protocol}", ""]
             lines += _protocol_table(scores, length, protocol, policies, kept, beyond) + [""]
         lines += _paired(by_sample, length, policies, kept)
+        lines += _checkpoints(scores, length, kept)
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from flsmem.harness.arguments import checking
 from flsmem.harness.ruler import report
 from flsmem.harness.ruler.protocols import PROTOCOLS
-from flsmem.harness.ruler.report import KEY
+from flsmem.harness.ruler.report import row_key
 from flsmem.harness.ruler.tasks import MAX_NEW_TOKENS, TASKS, make_sample
 from flsmem.models import catalog
 from flsmem.validate import nonneg_int, positive_int, require
@@ -75,10 +75,6 @@ class Plan:
     estimator: str | None = None
 
 
-def _key(row: dict) -> tuple:
-    return tuple(row[name] for name in KEY)
-
-
 def _done(out: Path) -> set[tuple]:
     """Keys of the rows already in ``out`` (a line cut short by an interruption is skipped)."""
     if not out.is_file():
@@ -86,7 +82,7 @@ def _done(out: Path) -> set[tuple]:
     done = set()
     for line in out.read_text().splitlines():
         try:
-            done.add(_key(json.loads(line)))
+            done.add(row_key(json.loads(line)))
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
     return done
@@ -102,6 +98,13 @@ def _append(out: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def _estimator(plan: Plan) -> Path:
+    """The estimator checkpoint of the plan's learned policies."""
+    from flsmem.harness.evaluate import estimator_for
+
+    return Path(plan.estimator or estimator_for(plan.model))
+
+
 def _jobs(plan: Plan, samples: list[dict], done: set[tuple]) -> Iterator[tuple[str, dict, list[tuple[str, float]]]]:
     """``(policy, sample, [(protocol, budget), ...])`` still to answer, policy by policy."""
     for policy in plan.policies:
@@ -109,8 +112,9 @@ def _jobs(plan: Plan, samples: list[dict], done: set[tuple]) -> Iterator[tuple[s
             (p, b) for p in plan.protocols for b in plan.budgets]
         for sample in samples:
             base = {"model": plan.model, "policy": policy, "evict_every": plan.evict_every,
-                    **{k: sample[k] for k in ("task", "length", "index", "seed")}}
-            todo = [(p, b) for p, b in arms if _key({**base, "protocol": p, "budget": b}) not in done]
+                    **{k: sample[k] for k in ("task", "length", "index", "seed")},
+                    **({"estimator": _estimator(plan).name} if "learned" in policy else {})}
+            todo = [(p, b) for p, b in arms if row_key({**base, "protocol": p, "budget": b}) not in done]
             if todo:
                 yield policy, sample, todo
 
@@ -159,10 +163,8 @@ class _Answerer:
     table of each sample, and frees compiled programs between policies."""
 
     def __init__(self, plan: Plan, model, tokenizer):
-        from flsmem.harness.evaluate import estimator_for
-
         self.plan, self.model, self.tokenizer = plan, model, tokenizer
-        self.estimator = str(plan.estimator or estimator_for(plan.model))
+        self.estimator = str(_estimator(plan))
 
     def forget(self) -> None:
         import jax
