@@ -48,7 +48,8 @@ def row_key(row: dict) -> tuple:
 def load(path: Path) -> list[dict]:
     """The rows of a results file, the last one of each answer when repeated; a line
     cut short by an interruption is skipped. A policy answered with several estimator
-    checkpoints is reported once per checkpoint, as ``policy (checkpoint)``."""
+    checkpoints is reported once per checkpoint, as ``policy (checkpoint)``, its row
+    keeping the policy's own name as ``base``."""
     rows = {}
     for line in Path(path).read_text().splitlines():
         try:
@@ -59,8 +60,8 @@ def load(path: Path) -> list[dict]:
     estimators = defaultdict(set)
     for row in rows.values():
         estimators[row["policy"]].add(row.get("estimator"))
-    return [{**row, "policy": f"{row['policy']} ({row.get('estimator')})"} if len(estimators[row["policy"]]) > 1
-            else row for row in rows.values()]
+    return [{**row, "policy": f"{row['policy']} ({row.get('estimator')})", "base": row["policy"]}
+            if len(estimators[row["policy"]]) > 1 else row for row in rows.values()]
 
 
 def _policies(rows: list[dict]) -> list[str]:
@@ -198,24 +199,25 @@ def _paired(by_sample, length, policies, kept) -> list[str]:
     return lines + [""]
 
 
-def _checkpoints(scores, length, kept) -> list[str]:
+def _checkpoints(rows, scores, length, kept) -> list[str]:
     """A policy answered with several estimator checkpoints: each checkpoint's average
     over the tasks every one of them answered, and their mean and standard deviation
     (ddof 1) over checkpoints; nothing when no policy was."""
-    groups = defaultdict(list)
-    for (n, protocol, label, budget) in scores:
-        if n == length and " (" in label:
-            groups[(protocol, label.split(" (")[0], budget)].append(label)
+    groups = defaultdict(dict)
+    for r in rows:
+        if r["length"] == length and "base" in r:
+            groups[(r["protocol"], r["base"], r["budget"])][r["estimator"]] = r["policy"]
     lines = []
     for (protocol, policy, budget), labels in sorted(groups.items()):
         if len(labels) < 2:
             continue
-        arms = [scores[(length, protocol, label, budget)] for label in sorted(labels)]
+        checkpoints = sorted(labels, key=str)
+        arms = [scores[(length, protocol, labels[c], budget)] for c in checkpoints]
         shared = [t for t in kept if all(t in arm for arm in arms)]
         if not shared:
             continue
         averages = [100 * float(np.mean([arm[t].mean() for t in shared])) for arm in arms]
-        cells = ", ".join(f"{label.split(' (')[1][:-1]} {a:.0f}" for label, a in zip(sorted(labels), averages))
+        cells = ", ".join(f"{c} {a:.0f}" for c, a in zip(checkpoints, averages))
         lines.append(f"| {protocol} | {policy} | {budget:g} | {len(shared)} | {cells} | "
                      f"{np.mean(averages):.1f} ± {np.std(averages, ddof=1):.1f} |")
     if not lines:
@@ -249,7 +251,7 @@ def format_report(rows: list[dict], title: str) -> str:
             lines += [f"### {protocol}", ""]
             lines += _protocol_table(scores, length, protocol, policies, kept, beyond) + [""]
         lines += _paired(by_sample, length, policies, kept)
-        lines += _checkpoints(scores, length, kept)
+        lines += _checkpoints(rows, scores, length, kept)
     return "\n".join(lines)
 
 
