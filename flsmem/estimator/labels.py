@@ -41,6 +41,10 @@ __all__ = ["carry_over", "flush"]
 
 # The per-row state of the snapshots in flight, each with a leading [M] axis when M > 1.
 _SNAPSHOT = ("snap_features", "gathered", "snap_birth", "snap_queries")
+# What an optimizer step changes.
+_LEARNED = ("params", "opt", "loss", "labels", "updates", "skipped")
+# What the features read of the state besides the evidence: what each head reads.
+_HEAD = ("head_queries", "head_right", "head_far", "head_far_right")
 
 
 def optimizer(policy: Policy) -> optax.GradientTransformation:
@@ -80,9 +84,20 @@ def gather(policy: Policy, view: SlotView, evidence: Float[Array, "B K S E"], sh
     kept = present & (snaps["snap_birth"] == view.birth[None])
     snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
     snaps["snap_queries"] = snaps["snap_queries"] + 1
-    aux = dict(aux, **_stored(policy, snaps))
-    due = (view.step + 1) % (policy.params.horizon // policy.params.snapshots) == 0
-    return lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due), lambda aux: aux, aux)
+    # Every query is folded into every row of a memory, so its rows share their step and
+    # the snapshot due: a dynamic slice of the M in flight. Only that slice passes through
+    # the branch; XLA gives a branch's outputs buffers of their own, and the whole
+    # [M, B, K, S, F] passed through would be copied at every step.
+    period = policy.params.horizon // policy.params.snapshots
+    index = (view.step[0] + 1) // period % policy.params.snapshots
+    due = (view.step + 1) % period == 0
+    slice_due = {name: lax.dynamic_index_in_dim(x, index, keepdims=False) for name, x in snaps.items()}
+    learned = {name: aux[name] for name in _LEARNED}
+    head = {name: aux[name] for name in _HEAD}
+    learned, slice_due = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due, head),
+                                  lambda learned, slice_due: (learned, slice_due), learned, slice_due)
+    snaps = {name: lax.dynamic_update_index_in_dim(x, slice_due[name], index, 0) for name, x in snaps.items()}
+    return dict(aux, **learned, **_stored(policy, snaps))
 
 
 def _ranking_loss(prediction, label, held):
@@ -142,29 +157,25 @@ def _fit(policy, aux, snapshot, gathered, held):
     )
 
 
-def _learn(policy, view: SlotView, evidence, due, aux):
-    """At a row's snapshot step: label the slots of the snapshot due (taken ``horizon``
-    queries ago) that still hold their item, take one optimizer step on them, then
-    take that snapshot again from the slots held now."""
-    m = policy.params.snapshots
-    snaps = _in_flight(policy, aux)
-    index = (view.step + 1) // (policy.params.horizon // m) % m  # [B]: the snapshot due in each row
-    due_now = {name: x[index, jnp.arange(due.shape[0])] for name, x in snaps.items()}
+def _learn(policy, view: SlotView, evidence, due, head, learned, snapshot):
+    """At a row's snapshot step: label the slots of the ``snapshot`` due (taken
+    ``horizon`` queries ago) that still hold their item, take one optimizer step on
+    them, then take that snapshot again from the slots held now. Returns the
+    ``learned`` entries after the step and the snapshot taken again."""
     # The same slots as snap_birth >= 0 (a lost item is forgotten as it goes), built from
     # the view: XLA fuses the loss, and so rounds it, by how the mask is built, and the
     # results recorded with one snapshot in flight were computed with this form.
-    held = due[:, None, None] & view.present & (due_now["snap_birth"] == view.birth)
-    aux = _fit(policy, aux, due_now["snap_features"], due_now["gathered"], held)
-    retake = (jnp.arange(m)[:, None] == index[None]) & due[None]  # [M, B]
-    slots = retake[:, :, None, None]
-    now = features(evidence, view.age, view.step + 1, view.position, aux)[None]
-    snaps = dict(
-        snap_features=jnp.where(slots[..., None], now, snaps["snap_features"]),
-        gathered=jnp.where(slots, 0.0, snaps["gathered"]),
-        snap_birth=jnp.where(slots, jnp.where(view.present, view.birth, -1)[None], snaps["snap_birth"]),
-        snap_queries=jnp.where(retake, 0, snaps["snap_queries"]),
+    held = due[:, None, None] & view.present & (snapshot["snap_birth"] == view.birth)
+    learned = _fit(policy, learned, snapshot["snap_features"], snapshot["gathered"], held)
+    slots = due[:, None, None]
+    now = features(evidence, view.age, view.step + 1, view.position, head)
+    snapshot = dict(
+        snap_features=jnp.where(slots[..., None], now, snapshot["snap_features"]),
+        gathered=jnp.where(slots, 0.0, snapshot["gathered"]),
+        snap_birth=jnp.where(slots, jnp.where(view.present, view.birth, -1), snapshot["snap_birth"]),
+        snap_queries=jnp.where(due, 0, snapshot["snap_queries"]),
     )
-    return dict(aux, **_stored(policy, snaps))
+    return learned, snapshot
 
 
 def carry_over(aux: PyTree, layers_axis: bool = True) -> PyTree:
