@@ -88,8 +88,10 @@ def gather(policy: Policy, view: SlotView, evidence: Float[Array, "B K S E"], sh
     # the snapshot due: a dynamic slice of the M in flight. Only that slice passes through
     # the branch; XLA gives a branch's outputs buffers of their own, and the whole
     # [M, B, K, S, F] passed through would be copied at every step.
-    period = policy.params.horizon // policy.params.snapshots
-    index = (view.step[0] + 1) // period % policy.params.snapshots
+    m = policy.params.snapshots
+    period = policy.params.horizon // m
+    # A static index for one snapshot: XLA then slices it in place, without a copy.
+    index = (view.step[0] + 1) // period % m if m > 1 else 0
     due = (view.step + 1) % period == 0
     slice_due = {name: lax.dynamic_index_in_dim(x, index, keepdims=False) for name, x in snaps.items()}
     learned = {name: aux[name] for name in _LEARNED}
