@@ -198,7 +198,7 @@ def carry_over(aux: PyTree, layers_axis: bool = True) -> PyTree:
             return (jnp.sum(x, axis=0) // x.shape[0]).astype(x.dtype)
         return jnp.mean(x, axis=0)
 
-    return {name: jax.tree.map(mean, aux[name]) for name in ("params", "opt", "loss", "labels", "updates", "skipped")}
+    return {name: jax.tree.map(mean, aux[name]) for name in _LEARNED}
 
 
 def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
