@@ -103,7 +103,7 @@ CORRECTNESS: dict[str, Callable] = {
 
 POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
-    "key_norm", "random", "ema", "rmm", "kalman", "adaptive", "lag_window", "use_recency",
+    "key_norm", "random", "ema", "rmm", "kalman", "adaptive", "lag_window", "use_recency", "surprise",
 )
 # The learned estimator at H = 0: pretrained and still learning, pretrained and frozen,
 # and learning from a fresh network. Not in the default comparison: they need the
@@ -205,6 +205,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     settings = {
         "streaming_llm": {"sinks": min(4, budget)},
         "h2o": {"recent": half},
+        "surprise": {"recent": half},
         "scissorhands": {"history": 32, "recent": half},
         "snapkv": {"window": max(1, min(32, half))},
         "ema": {"decay": 0.9, "recent": half},

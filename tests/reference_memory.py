@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 __all__ = [
     "Observation", "Item", "Rule", "Row",
     "window", "streaming_llm", "h2o", "tova", "ema", "rmm", "scissorhands", "snapkv",
-    "key_norm", "kalman", "oracle", "lag_window", "use_recency", "RULES",
+    "key_norm", "kalman", "oracle", "lag_window", "use_recency", "surprise", "RULES",
 ]
 
 
@@ -166,6 +166,14 @@ def _use_recency(rule, item, row):
     return sum(rule.p["decay"] ** (now - o.step) for o in item.history if used(o))
 
 
+def _surprise_first(rule, item, row):
+    # (1 - w of the query before the item's arrival: the prediction of the item, 1 for
+    # the first item) + A / (1 + A), A the attention summed since arrival.
+    produced = row.weights[item.birth - 1] if item.birth > 0 else 1.0
+    total = sum(o.attention for o in item.history)
+    return (1.0 - produced) + total / (1.0 + total)
+
+
 def _kalman_mean(rule, item, row):
     return item.mean
 
@@ -226,6 +234,10 @@ def use_recency(lag: int, *, decay: float, use_threshold: float | None) -> Rule:
                 lag=lag)
 
 
+def surprise(recent: int) -> Rule:
+    return Rule("surprise", _surprise_first, recent=recent)
+
+
 def kalman(q: float, r: float, *, adaptive: bool, beta: float, weighted: bool,
            recent: int, lag: int) -> Rule:
     return Rule("kalman", _kalman_mean, {"q": q, "r": r, "adaptive": adaptive, "beta": beta,
@@ -233,7 +245,7 @@ def kalman(q: float, r: float, *, adaptive: bool, beta: float, weighted: bool,
 
 
 RULES = {f.__name__: f for f in (window, streaming_llm, h2o, tova, ema, rmm, scissorhands,
-                                 snapkv, key_norm, oracle, lag_window, use_recency, kalman)}
+                                 snapkv, key_norm, oracle, lag_window, use_recency, kalman, surprise)}
 
 
 # --------------------------------------------------------------------------- a row
@@ -249,6 +261,7 @@ class Row:
         self.slots = slots
         self.items: dict[int, Item] = {}
         self.step = 0
+        self.weights: list[float] = []  # each query's correctness weight, by step
         if rule.name == "kalman" and rule.p["adaptive"]:
             q, r = rule.p["q"], rule.p["r"]
             # The estimate: log(q / r) (kept in [1e-8, 1e4]), r, and the running mean
@@ -274,6 +287,7 @@ class Row:
                 None if future is None else float(future[p])))
         if self.rule.name == "kalman":
             self._kalman_query()
+        self.weights.append(float(weight))
         self.step += 1
 
     def _kalman_query(self) -> None:

@@ -95,6 +95,21 @@ def test_rmm_weights_attention_by_correctness():
     assert run(P.rmm(lag=1), correctness=w)[0] == [{0, 2}, {0, 3}]
 
 
+def test_surprise_keeps_what_the_model_did_not_predict():
+    # w = (1, 0, 1, 1): query 1 missed item 2 (the first item counts as predicted), so
+    # p2 scores 1 + A / (1 + A) and the others A / (1 + A).
+    # Step 2: p0 2.1/3.1 = .68, p1 .6/1.6 = .375, p2 1 + .3/1.3 = 1.23 -> drop p1
+    # (H2O drops p2). Step 3: p0 2.2/3.2 = .69, p2 1 + .6/1.6 = 1.375, p3 .45/1.45 = .31
+    # -> drop p3.
+    w = [1.0, 0.0, 1.0, 1.0]
+    kept, state = run(P.surprise(), correctness=w)
+    assert kept == [{0, 2}, {0, 2}]
+    scores = {int(p): float(s) for p, s, v in zip(state.position[0, 0], state.score[0, 0], state.valid[0, 0]) if v}
+    assert scores == pytest.approx({0: 2.2 / 3.2, 2: 1 + 0.6 / 1.6}, rel=1e-6)
+    # Every prediction right: the ranking is H2O's.
+    assert run(P.surprise(), correctness=[1.0] * 4)[0] == run(P.h2o())[0]
+
+
 def test_kalman_running_mean_and_gain():
     table = [row[:] for row in TABLE]
     table[2][2] = 0.35
@@ -268,7 +283,7 @@ def test_nonfinite_score_falls_back_and_is_counted():
 # ------------------------------------------------------- registry and typed parameters
 
 NAMES = ("full", "window", "streaming_llm", "h2o", "tova", "ema", "rmm", "scissorhands", "snapkv",
-         "key_norm", "random", "kalman", "adaptive", "oracle", "lag_window", "use_recency")
+         "key_norm", "random", "kalman", "adaptive", "oracle", "lag_window", "use_recency", "surprise")
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -89,6 +89,8 @@ CASES = [
     case("lag_window", lag=2, gamma=0.5, decay_after=0.9, weighted=False),
     case("use_recency", lag=3, decay=0.9, use_threshold=None),
     case("use_recency", lag=2, decay=0.7, use_threshold=0.04),
+    case("surprise", recent=0),
+    case("surprise", recent=2, extra=(("sinks", 1),)),
 ]
 
 

@@ -39,6 +39,7 @@ CASES = [
     ("kalman/every4", "kalman", 4, 1),
     ("rmm/chunk4", "rmm", 4, 4),
     ("snapkv/chunk4", "snapkv", 4, 4),
+    ("surprise/chunk4", "surprise", 4, 4),
     ("adakv(rmm)/every4", "adakv(rmm)", 4, 1),
 ]
 

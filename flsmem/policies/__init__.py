@@ -6,7 +6,8 @@ the policies come in families, one module each: :mod:`~flsmem.policies.recency`
 and the two presets), :mod:`~flsmem.policies.windowed` (Scissorhands, SnapKV),
 :mod:`~flsmem.policies.at_write` (key norm, random), :mod:`~flsmem.policies.kalman`,
 :mod:`~flsmem.policies.adaptive` (measure or accumulate, chosen online),
-:mod:`~flsmem.policies.expected` (ExpectedAttention) and :mod:`~flsmem.policies.oracle`;
+:mod:`~flsmem.policies.expected` (ExpectedAttention), :mod:`~flsmem.policies.surprise`
+(the model's surprise at an item first) and :mod:`~flsmem.policies.oracle`;
 :mod:`~flsmem.policies.budgets` wraps any of them with budgets per KV head (AdaKV) or
 per layer (PyramidKV). :data:`REGISTRY` maps each name to its factory and
 :func:`make` builds one by name. The learned estimator's policy lives in
@@ -33,6 +34,7 @@ from flsmem.policies.kalman import KalmanParams, kalman
 from flsmem.policies.oracle import oracle
 from flsmem.policies.recency import full, streaming_llm, window
 from flsmem.policies.registry import REGISTRY, WRAPPERS, make
+from flsmem.policies.surprise import surprise
 from flsmem.policies.windowed import SnapKVParams, scissorhands, snapkv
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "scissorhands",
     "snapkv",
     "streaming_llm",
+    "surprise",
     "tova",
     "use_recency",
     "window",

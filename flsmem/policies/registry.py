@@ -20,6 +20,7 @@ from flsmem.policies.expected import expected_attention
 from flsmem.policies.kalman import kalman
 from flsmem.policies.oracle import oracle
 from flsmem.policies.recency import full, streaming_llm, window
+from flsmem.policies.surprise import surprise
 from flsmem.policies.windowed import scissorhands, snapkv
 
 __all__ = ["REGISTRY", "WRAPPERS", "make"]
@@ -42,6 +43,7 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "lag_window": lag_window,
     "use_recency": use_recency,
     "expected_attention": expected_attention,
+    "surprise": surprise,
 }
 
 # Wrappers that change how a policy's budget is shared, by name: "adakv(h2o)".
