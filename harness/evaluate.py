@@ -172,8 +172,9 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
 
     Accumulating policies keep a recent window of half the budget, as H2O's paper does;
     ``rmm`` gets the same window so that its only difference from ``h2o`` is the
-    correctness weighting, and so do ``adaptive`` (which mixes the two with EMA), the
-    oracle and the learned estimator (which has no commit lag); lags are capped at half
+    correctness weighting, and so do ``adaptive`` (which mixes the two with EMA),
+    ``surprise`` (h2o's sum behind the model's surprise), the oracle and the learned
+    estimator (which has no commit lag); lags are capped at half
     the budget. ``expected_attention`` protects
     four sinks and no recent window, as kvpress does. ``adakv(name)`` shares each
     sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that

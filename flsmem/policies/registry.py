@@ -42,8 +42,8 @@ REGISTRY: dict[str, Callable[..., Policy]] = {
     "oracle": oracle,
     "lag_window": lag_window,
     "use_recency": use_recency,
-    "expected_attention": expected_attention,
     "surprise": surprise,
+    "expected_attention": expected_attention,
 }
 
 # Wrappers that change how a policy's budget is shared, by name: "adakv(h2o)".
