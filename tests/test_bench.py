@@ -12,7 +12,7 @@ from flax import nnx
 
 import flsmem
 from bench import (adaptive_weights, common, kernel, overhead, prefill_chunk, profile, pyref, report, ruler_depth,
-                   step_trace)
+                   ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -203,3 +203,21 @@ def test_ruler_depth_counts_hits_by_the_needles_distance_from_the_end(tmp_path, 
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("h2o"))
     # The full cache is not counted; h2o missed the needle inside and found the one outside.
     assert line.split() == ["h2o", "stream", str(budget), "0", "/", "1", "1", "/", "1"]
+
+
+def test_ruler_surprise_counts_the_tokens_the_model_mispredicts():
+    from flsmem.models.data import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    # One token a byte: the answer is bytes 3 to 9.
+    sample = {"context": "aa 1234567 bbb" * 3, "question": " q?", "answers": ["1234567"]}
+    assert ruler_surprise.answer_span(sample["context"], "1234567", tokenizer) == (3, 10)
+    ids = np.asarray(tokenizer.encode(sample["context"]), np.int32)
+    # Token t is missed when the model's argmax after tokens < t is not token t.
+    logits = np.asarray(MODEL(jnp.asarray(ids)[None])[0][0])
+    missed = np.concatenate([[False], logits[:-1].argmax(-1) != ids[1:]])
+    got = ruler_surprise.measure(MODEL, tokenizer, sample, budget=0.5)
+    # 45 prompt tokens: a recent window of 11, a scored half of 11; the missed tokens
+    # beyond the window are those of the first 34.
+    assert got == pytest.approx({"context_missed": missed.mean(), "beyond": int(missed[:34].sum()),
+                                 "scored_half": 11, "answer_missed": missed[3:10].mean()})
