@@ -104,7 +104,10 @@ CORRECTNESS: dict[str, Callable] = {
 POLICY_NAMES = (
     "full", "oracle", "streaming_llm", "window", "h2o", "tova", "scissorhands", "snapkv",
     "key_norm", "random", "ema", "rmm", "kalman", "adaptive", "lag_window", "use_recency", "surprise",
+    "surprise_reserve",
 )
+# Names of the comparison that are a registry policy under settings of their own.
+REGISTRY_NAMES = {"surprise_reserve": "surprise"}
 # The learned estimator at H = 0: pretrained and still learning, pretrained and frozen,
 # and learning from a fresh network. Not in the default comparison: they need the
 # pretrained checkpoint (checkpoints/estimator).
@@ -175,7 +178,9 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     correctness weighting, and so do ``adaptive`` (which mixes the two with EMA),
     ``surprise`` (h2o's sum behind the model's surprise), the oracle and the learned
     estimator (which has no commit lag); lags are capped at half
-    the budget. ``expected_attention`` protects
+    the budget. ``surprise_reserve`` is ``surprise`` with a reserve of an eighth of the
+    budget (a quarter of the slots the ranking fills): at most that many items are kept
+    for their surprise, the others by h2o's ranking. ``expected_attention`` protects
     four sinks and no recent window, as kvpress does. ``adakv(name)`` shares each
     sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that
     never binds (``K - 0.2 (K - 1)``); ``pyramid(name)`` spreads the budget over the
@@ -207,6 +212,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
         "streaming_llm": {"sinks": min(4, budget)},
         "h2o": {"recent": half},
         "surprise": {"recent": half},
+        "surprise_reserve": {"recent": half, "reserve": budget // 8},
         "scissorhands": {"history": 32, "recent": half},
         "snapkv": {"window": max(1, min(32, half))},
         "ema": {"decay": 0.9, "recent": half},
@@ -216,7 +222,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
         "lag_window": {"lag": lag},
         "use_recency": {"lag": lag},
     }
-    policy = P.make(name, **settings.get(name, {}))
+    policy = P.make(REGISTRY_NAMES.get(name, name), **settings.get(name, {}))
     return policy.replace(recent=half) if name == "oracle" else policy
 
 

@@ -166,12 +166,31 @@ def _use_recency(rule, item, row):
     return sum(rule.p["decay"] ** (now - o.step) for o in item.history if used(o))
 
 
-def _surprise_first(rule, item, row):
-    # (1 - w of the query before the item's arrival: the prediction of the item, 1 for
-    # the first item) + A / (1 + A), A the attention summed since arrival.
-    produced = row.weights[item.birth - 1] if item.birth > 0 else 1.0
+def _attended(item):
+    # A / (1 + A), A the attention summed since arrival.
     total = sum(o.attention for o in item.history)
-    return (1.0 - produced) + total / (1.0 + total)
+    return total / (1.0 + total)
+
+
+def _surprise(item, row):
+    # 1 - w of the query before the item's arrival (the prediction of the item; 1 for
+    # the first item), plus A / (1 + A).
+    produced = row.weights[item.birth - 1] if item.birth > 0 else 1.0
+    return (1.0 - produced) + _attended(item)
+
+
+def _surprise_first(rule, item, row):
+    # Without a reserve, the surprise. With one, the `reserve` unprotected items of
+    # highest surprise (equal ones by the newer) score 1 + surprise, the rest A / (1 + A).
+    reserve = rule.p.get("reserve")
+    if reserve is None:
+        return _surprise(item, row)
+    protected = row.protected()
+    ranked = sorted((it for p, it in row.items.items() if p not in protected),
+                    key=lambda it: (-_surprise(it, row), -it.birth))
+    if item in ranked[:reserve]:
+        return 1.0 + _surprise(item, row)
+    return _attended(item)
 
 
 def _kalman_mean(rule, item, row):
@@ -234,8 +253,8 @@ def use_recency(lag: int, *, decay: float, use_threshold: float | None) -> Rule:
                 lag=lag)
 
 
-def surprise(recent: int) -> Rule:
-    return Rule("surprise", _surprise_first, recent=recent)
+def surprise(recent: int, reserve: int | None = None) -> Rule:
+    return Rule("surprise", _surprise_first, {"reserve": reserve}, recent=recent)
 
 
 def kalman(q: float, r: float, *, adaptive: bool, beta: float, weighted: bool,

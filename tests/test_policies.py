@@ -110,6 +110,25 @@ def test_surprise_keeps_what_the_model_did_not_predict():
     assert run(P.surprise(), correctness=[1.0] * 4)[0] == run(P.h2o())[0]
 
 
+def test_surprise_reserve_bounds_what_surprise_keeps():
+    # w = (1, 0, 0, 1): items 2 and 3 were missed. Surprise at step 2: p0 2.1/3.1 = .68,
+    # p1 .6/1.6 = .375, p2 1 + .3/1.3 = 1.23; at step 3: p0 2.2/3.2 = .69,
+    # p2 1 + .6/1.6 = 1.375, p3 1 + .45/1.45 = 1.31.
+    w = [1.0, 0.0, 0.0, 1.0]
+    # No reserve (and one of 2 or more): both misses outrank p0 at step 3.
+    assert run(P.surprise(), correctness=w)[0] == [{0, 2}, {2, 3}]
+    assert run(P.surprise(reserve=2), correctness=w)[0] == [{0, 2}, {2, 3}]
+    # A reserve of 1 holds p2 (1 + 1.375); p3 falls back to .45/1.45 = .31 < p0's .69.
+    kept, state = run(P.surprise(reserve=1), correctness=w)
+    assert kept == [{0, 2}, {0, 2}]
+    scores = {int(p): float(s) for p, s, v in zip(state.position[0, 0], state.score[0, 0], state.valid[0, 0]) if v}
+    assert scores == pytest.approx({0: 2.2 / 3.2, 2: 2 + 0.6 / 1.6}, rel=1e-6)
+    # A reserve of 0 is H2O.
+    assert run(P.surprise(reserve=0), correctness=w)[0] == run(P.h2o())[0]
+    with pytest.raises(ValueError, match="reserve must be None or an int >= 0"):
+        P.surprise(reserve=-1)
+
+
 def test_kalman_running_mean_and_gain():
     table = [row[:] for row in TABLE]
     table[2][2] = 0.35

@@ -91,6 +91,9 @@ CASES = [
     case("use_recency", lag=2, decay=0.7, use_threshold=0.04),
     case("surprise", recent=0),
     case("surprise", recent=2, extra=(("sinks", 1),)),
+    case("surprise", recent=0, reserve=1),
+    case("surprise", recent=2, reserve=2, extra=(("sinks", 1),)),
+    case("surprise", recent=1, reserve=0),
 ]
 
 

@@ -34,7 +34,7 @@ from flsmem.policies.kalman import KalmanParams, kalman
 from flsmem.policies.oracle import oracle
 from flsmem.policies.recency import full, streaming_llm, window
 from flsmem.policies.registry import REGISTRY, WRAPPERS, make
-from flsmem.policies.surprise import surprise
+from flsmem.policies.surprise import SurpriseParams, surprise
 from flsmem.policies.windowed import SnapKVParams, scissorhands, snapkv
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "RandomParams",
     "SlotView",
     "SnapKVParams",
+    "SurpriseParams",
     "UseRecencyParams",
     "ema",
     "full",
