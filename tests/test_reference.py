@@ -211,6 +211,9 @@ def compare_stream(c: Case, budget: int, every: int, seed: int) -> tuple[int, in
                     )
                     near_ties += 1
                 row.keep(kept_lib)
+                # A policy that scores only when an eviction is due holds older scores between.
+                if config.policy.score_when_due and len(held) < budget + every:
+                    continue
                 for p, got in lib_scores.items():
                     want = scores[p]
                     assert abs(got - want) <= SCORE_ATOL + SCORE_RTOL * abs(want), (

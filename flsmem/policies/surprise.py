@@ -107,7 +107,10 @@ def surprise(recent: int = 0, reserve: int | None = None) -> Policy:
     eviction ranks (present, not protected; equal ones by the newer) score
     ``1 + surprise`` and the others ``A / (1 + A)``: at most n items are kept for their
     surprise, the rest by H2O's ranking. Keep the ``recent`` most recent items plus the
-    highest scores.
+    highest scores. A reserve sorts each row to rank it, which costs more than folding
+    the evidence, so its scores are committed only when an eviction is due
+    (``score_when_due``; the kept sets are the same).
     """
     return Policy(name="surprise", score=_score, fold=_fold, init_aux=_init_aux, num_evidence=2,
-                  params=SurpriseParams(reserve=reserve), recent=recent)
+                  params=SurpriseParams(reserve=reserve), recent=recent,
+                  score_when_due=reserve is not None)
