@@ -27,8 +27,9 @@ from flsmem.oracle_future import discounted_future
 
 RECORD = pathlib.Path(__file__).parent / "data" / "step_record.npz"
 BATCH, HEADS, STEPS, BUDGET = 2, 3, 28, 6
-# (name, policy, evict_every, chunk): every policy of the registry, the wrappers and the
-# learned estimator, on the decode schedule; a few on chunks and on a longer schedule.
+# (label, policy, evict_every, chunk[, settings]): every policy of the registry, the
+# wrappers and the learned estimator, on the decode schedule; a few on chunks, on a
+# longer schedule or with settings of their own.
 CASES = [
     *[(name, name, 1, 1) for name in sorted(policies.REGISTRY)],
     ("adakv(h2o)", "adakv(h2o)", 1, 1),
@@ -41,10 +42,11 @@ CASES = [
     ("snapkv/chunk4", "snapkv", 4, 4),
     ("surprise/chunk4", "surprise", 4, 4),
     ("adakv(rmm)/every4", "adakv(rmm)", 4, 1),
+    ("surprise(reserve=2)/every4", "surprise", 4, 1, {"reserve": 2}),
 ]
 
 
-def build(name: str) -> policies.Policy:
+def build(name: str, **settings) -> policies.Policy:
     if name == "expected_attention":
         return policies.expected_attention(head_dim=testing.HEAD_DIM, group=1, rope_theta=10_000.0, future=8)
     if name in ("learned", "learned_offline"):
@@ -53,13 +55,13 @@ def build(name: str) -> policies.Policy:
     accepted = inspect.signature(policies.REGISTRY[inner]).parameters
     # Short windows and lags, so that a budget of a few items sees every rule at work.
     short = {"lag": 3, "recent": 2, "history": 4, "window": 4, "sinks": 1, "horizon": 4}
-    return policies.make(name, **{key: value for key, value in short.items() if key in accepted})
+    return policies.make(name, **{**{key: value for key, value in short.items() if key in accepted}, **settings})
 
 
-def run(name: str, evict_every: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+def run(name: str, evict_every: int, chunk: int, settings: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per step, per row: the score of each position the row holds (NaN where it holds
     none), and the held positions as a mask; ``[STEPS / chunk, B, K, STEPS]`` each."""
-    policy = build(name)
+    policy = build(name, **(settings or {}))
     config = flsmem.MemoryConfig(policy=policy, budget=BUDGET, evict_every=evict_every, max_chunk=chunk)
     state = testing.tiny_memory(config, batch=BATCH, kv_heads=HEADS)
     key = jax.random.key(7)
@@ -100,8 +102,8 @@ def record():
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_same_kept_sets_and_scores_as_recorded(case, record):
-    label, name, evict_every, chunk = case
-    scores, held = run(name, evict_every, chunk)
+    label, *how = case
+    scores, held = run(*how)
     np.testing.assert_array_equal(held, record[f"{label}/held"], err_msg=f"{label}: kept sets changed")
     np.testing.assert_allclose(scores, record[f"{label}/scores"], rtol=1e-5, atol=1e-6, equal_nan=True,
                                err_msg=f"{label}: committed scores changed")
@@ -115,9 +117,9 @@ def main(argv: list[str]) -> int:
         return 2
     chosen = argv[1:] or labels
     arrays = dict(np.load(RECORD)) if argv[1:] and RECORD.exists() else {}
-    for label, name, evict_every, chunk in CASES:
+    for label, *how in CASES:
         if label in chosen:
-            arrays[f"{label}/scores"], arrays[f"{label}/held"] = run(name, evict_every, chunk)
+            arrays[f"{label}/scores"], arrays[f"{label}/held"] = run(*how)
             print(f"recorded {label}")
     RECORD.parent.mkdir(exist_ok=True)
     np.savez_compressed(RECORD, **arrays)
