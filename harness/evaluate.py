@@ -22,6 +22,7 @@ full-cache run of the same window.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import math
@@ -50,6 +51,9 @@ __all__ = [
     "check_estimator",
     "make_policy",
     "is_policy_name",
+    "split_settings",
+    "split_policies",
+    "check_policies",
     "PEER_NAMES",
     "BUDGET_WRAPPERS",
     "evaluate_nll",
@@ -154,14 +158,66 @@ def learned_policy(name: str, path: str = str(ESTIMATOR_DIR)) -> P.Policy:
 ONLINE_LEARNING_RATE = 1e-4
 
 
+def split_policies(text: str) -> list[str]:
+    """The names of a comma-separated list; commas inside parentheses do not split
+    (``adaptive(horizon=256, forget=0.999),h2o`` is two names)."""
+    return [p.strip() for p in re.split(r",(?![^()]*\))", text) if p.strip()]
+
+
+def split_settings(name: str) -> tuple[str, dict]:
+    """``(base, settings)`` of a policy name that sets keywords of its factory,
+    ``adaptive(horizon=256)`` -> ``("adaptive", {"horizon": 256})``; any other name is
+    ``(name, {})``. Values are Python literals (numbers, booleans, strings, tuples).
+
+    Raises:
+      ValueError: naming the policy, when the parentheses hold keyword settings that are
+        not ``keyword=literal`` pairs.
+    """
+    found = re.fullmatch(r"(\w+)\((\s*\w+\s*=.*)\)", name)
+    if not found:
+        return name, {}
+    base, body = found.groups()
+    try:
+        call = ast.parse(f"f({body})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args or any(k.arg is None for k in call.keywords):
+            raise ValueError
+        settings = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError):
+        raise ValueError(f"policy {name!r}: settings must be keyword=value pairs of literals, "
+                         f"as in adaptive(horizon=256, forget=0.999)") from None
+    return base, settings
+
+
 def is_policy_name(name: str) -> bool:
     """Whether :func:`make_policy` knows ``name``: one of :data:`POLICY_NAMES`,
-    :data:`LEARNED_NAMES` or :data:`PEER_NAMES`, or one of those wrapped by
-    :data:`BUDGET_WRAPPERS` (``adakv(h2o)``, ``pyramid(snapkv)``)."""
+    :data:`LEARNED_NAMES` or :data:`PEER_NAMES`, one of :data:`POLICY_NAMES` with settings
+    of its factory (``adaptive(horizon=256)``), or one of those wrapped by
+    :data:`BUDGET_WRAPPERS` (``adakv(h2o)``, ``pyramid(snapkv)``). The settings' keywords
+    and values are checked when the policy is made."""
     wrapped = re.fullmatch(r"(\w+)\((.+)\)", name)
-    if wrapped:
-        return wrapped.group(1) in BUDGET_WRAPPERS and is_policy_name(wrapped.group(2))
-    return name in POLICY_NAMES + LEARNED_NAMES + PEER_NAMES
+    if wrapped and wrapped.group(1) in BUDGET_WRAPPERS:
+        return is_policy_name(wrapped.group(2))
+    try:
+        base, settings = split_settings(name)
+    except ValueError:
+        return False
+    return base in POLICY_NAMES if settings else name in POLICY_NAMES + LEARNED_NAMES + PEER_NAMES
+
+
+def check_policies(option: str, names: Sequence[str], budget: int) -> None:
+    """Build each name of ``names`` that has settings at ``budget``, so that a bad keyword
+    or value is reported before any model is loaded.
+
+    Raises:
+      ValueError: naming ``option`` and the policy, with the factory's complaint (its
+        keywords, or the value's allowed range).
+    """
+    for name in names:
+        if "=" in name:
+            try:
+                make_policy(name, budget)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{option} {name}: {error}") from None
 
 
 def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = None,
@@ -184,7 +240,8 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     four sinks and no recent window, as kvpress does. ``adakv(name)`` shares each
     sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that
     never binds (``K - 0.2 (K - 1)``); ``pyramid(name)`` spreads the budget over the
-    layers when the prefix is compressed.
+    layers when the prefix is compressed. A name with settings, ``adaptive(horizon=256)``
+    or ``adakv(surprise(reserve=64))``, passes them to the factory over these defaults.
     """
     wrapped = re.fullmatch(r"(\w+)\((.+)\)", name)
     if wrapped and wrapped.group(1) in BUDGET_WRAPPERS:
@@ -201,6 +258,9 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
                                     rope_factors=model.rope_factors, sinks=min(4, budget))
     half = budget // 2
     lag = min(lag, half)
+    name, overrides = split_settings(name)
+    if overrides and name not in POLICY_NAMES:
+        raise ValueError(f"policy settings apply to {POLICY_NAMES}, got {name!r} with {overrides}")
     if name in LEARNED_NAMES:
         # Decides at H = 0 (no commit lag) behind the same recent window as h2o and rmm.
         return learned_policy(name, str(estimator or ESTIMATOR_DIR)).replace(recent=half)
@@ -222,7 +282,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
         "lag_window": {"lag": lag},
         "use_recency": {"lag": lag},
     }
-    policy = P.make(REGISTRY_NAMES.get(name, name), **settings.get(name, {}))
+    policy = P.make(REGISTRY_NAMES.get(name, name), **(settings.get(name, {}) | overrides))
     return policy.replace(recent=half) if name == "oracle" else policy
 
 

@@ -101,11 +101,13 @@ class Plan:
         for name in ("fractions", "lag_fractions", "signal_fractions", "retention_fractions"):
             if not all(0 < f < 1 for f in getattr(self, name)):
                 raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
-        from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES
+        from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, is_policy_name, split_settings
 
-        unknown = sorted(set(self.policies) - set(POLICY_NAMES + LEARNED_NAMES))
+        unknown = [p for p in self.policies
+                   if not (p in LEARNED_NAMES or (is_policy_name(p) and split_settings(p)[0] in POLICY_NAMES))]
         if not self.policies or unknown:
-            raise ValueError(f"policies must be among {POLICY_NAMES + LEARNED_NAMES}, got {self.policies}")
+            raise ValueError(f"policies must be among {POLICY_NAMES + LEARNED_NAMES}, or those with settings as in "
+                             f"adaptive(horizon=256), got {self.policies}")
 
 
 FULL = Plan(
@@ -550,7 +552,9 @@ def plan_for(args: argparse.Namespace) -> Plan:
     plan = QUICK if args.quick else FULL
     if args.policies is None:
         return plan
-    names = tuple(name.strip() for name in args.policies.split(",") if name.strip())
+    from flsmem.harness.evaluate import split_policies
+
+    names = tuple(split_policies(args.policies))
     try:
         return dataclasses.replace(plan, policies=names, lag_settings=(), signal_settings=(), retention_settings=())
     except ValueError as error:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from fractions import Fraction
@@ -72,11 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "score of evicted items, fallbacks, estimator loss, ...); runs every policy once more")
 
 
-def _policy_list(text: str) -> list[str]:
-    """Comma-separated names, where commas inside parentheses do not split."""
-    return [p.strip() for p in re.split(r",(?![^()]*\))", text) if p.strip()]
-
-
 def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int]:
     """``(policies, budgets, prefill)`` from ``flsmem eval``'s arguments (``prefill``: the
     tokens prefilled in full under ``--protocol prefill``, a multiple of ``--evict-every``).
@@ -85,7 +79,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
       ValueError: a bad argument, named first in the message.
     """
     from flsmem.harness.evaluate import (BUDGET_WRAPPERS, CORRECTNESS, LEARNED_NAMES, PEER_NAMES, POLICY_NAMES,
-                                         check_estimator, is_policy_name)
+                                         check_estimator, check_policies, is_policy_name,
+                                         split_policies)
     from flsmem.models.data import books
 
     catalog.check(args.model)
@@ -98,15 +93,17 @@ def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[int], int
     require(context % every == 0, f"--context must be a multiple of --evict-every ({every}), got {context}")
     positive_int("--windows", args.windows)
     known = POLICY_NAMES + LEARNED_NAMES + PEER_NAMES
-    policies = _policy_list(args.policies)
+    policies = split_policies(args.policies)
     unknown = [p for p in policies if not is_policy_name(p)]
     require(policies and not unknown, f"--policies must be comma-separated names among {', '.join(known)}, or those "
-                                      f"wrapped by {' or '.join(BUDGET_WRAPPERS)} as in adakv(h2o); "
+                                      f"wrapped by {' or '.join(BUDGET_WRAPPERS)} as in adakv(h2o), or with settings "
+                                      f"as in adaptive(horizon=256); "
                                       f"got {args.policies!r}" + (f", unknown {unknown}" if unknown else ""))
     pyramids = [p for p in policies if "pyramid(" in p]
     require(args.protocol == "prefill" or not pyramids,
             f"--policies {', '.join(pyramids)}: layer budgets apply when a prefix is compressed; use --protocol prefill")
     budgets = parse_budgets(args.budgets, context)
+    check_policies("--policies", policies, min(budgets))
     fraction = args.prefill_fraction
     require(0.0 < fraction < 1.0, f"--prefill-fraction must lie in (0, 1), got {fraction}")
     prefill = int(round(context * fraction / every)) * every

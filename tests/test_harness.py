@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from flsmem import policies as P
-from flsmem.harness.evaluate import evaluate_nll, future_attention, make_policy, run_comparison
+from flsmem.harness.evaluate import (evaluate_nll, future_attention, is_policy_name, make_policy, run_comparison,
+                                     split_policies, split_settings)
 from flsmem.harness.report import parse_budgets
 from flsmem.models.data import cut_windows
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -103,6 +104,23 @@ def test_the_peers_by_name_in_the_prefill_protocol():
     assert by["pyramid(h2o)"].nll != by["h2o"].nll
 
 
+def test_policy_settings_reach_the_factory_over_the_budgets_defaults():
+    assert split_policies("adaptive(horizon=256, forget=0.999),h2o") == ["adaptive(horizon=256, forget=0.999)", "h2o"]
+    assert split_settings("adaptive(horizon=256, decays=(1.0, 0.5))") == ("adaptive", {"horizon": 256,
+                                                                                     "decays": (1.0, 0.5)})
+    assert split_settings("adakv(h2o)") == ("adakv(h2o)", {})
+    tuned = make_policy("adaptive(horizon=256, forget=0.999)", 64)
+    default = make_policy("adaptive", 64)
+    assert (tuned.params.horizon, tuned.params.forget) == (256, 0.999)
+    assert (tuned.recent, tuned.lag) == (default.recent, default.lag) == (32, 16)  # the budget's defaults stay
+    assert make_policy("surprise_reserve(reserve=3)", 64).params.reserve == 3  # over the preset's 64 // 8
+    assert make_policy("adakv(surprise(reserve=3))", 64, model=CFG).params.reserve == 3
+    assert make_policy("h2o(recent=5)", 64).recent == 5
+    assert is_policy_name("adakv(adaptive(horizon=256))") and not is_policy_name("learned(rate=1.0)")
+    with pytest.raises(ValueError, match="settings apply to"):
+        make_policy("learned(rate=1.0)", 64)
+
+
 def test_argument_checks():
     assert parse_budgets("1/16,1/8,32", 512) == [32, 64, 32]
     with pytest.raises(ValueError, match="budgets"):
@@ -188,6 +206,15 @@ BAD_ARGUMENTS = {
     "unknown correctness": (["eval", "--correctness", "oracle"], "--correctness"),
     "unknown wrapped policy": (["eval", "--policies", "h2o,adakv(nope)"], "--policies"),
     "unknown wrapper": (["eval", "--policies", "twice(h2o)"], "--policies"),
+    "unknown policy setting": (["eval", "--policies", "h2o,adaptive(horizn=256)"],
+                               "--policies adaptive(horizn=256): policy 'adaptive' has no keyword 'horizn'"),
+    "policy setting out of range": (["eval", "--policies", "adaptive(horizon=0)"],
+                                    "--policies adaptive(horizon=0): horizon must be an int >= 1"),
+    "policy setting not a literal": (["eval", "--policies", "adaptive(horizon=long)"], "--policies"),
+    "ruler: unknown policy setting": (["ruler", "--policies", "surprise(reserv=4)", "--out", "{tmp}/r.jsonl"],
+                                      "--policies surprise(reserv=4): policy 'surprise' has no keyword 'reserv'"),
+    "regime: learned policy with settings": (["regime", "--policies", "learned(rate=1)", "--out", "{tmp}/out"],
+                                             "--policies"),
     "layer budgets streamed": (["eval", "--policies", "pyramid(h2o)"], "--policies pyramid(h2o): layer budgets apply"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
     "windows 0": (["eval", "--windows", "0"], "--windows"),

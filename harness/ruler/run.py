@@ -266,7 +266,7 @@ def _names(option: str, text: str, known: tuple[str, ...], accept=None) -> tuple
     or accepted by ``accept``."""
     names = tuple(dict.fromkeys(n.strip() for n in re.split(r",(?![^()]*\))", text) if n.strip()))
     unknown = [n for n in names if n not in known and not (accept and accept(n))]
-    wrapped = " (or wrapped, as in adakv(h2o))" if accept else ""
+    wrapped = " (or wrapped, as in adakv(h2o), or with settings, as in adaptive(horizon=256))" if accept else ""
     require(names and not unknown, f"{option} must be comma-separated names among {', '.join(known)}{wrapped}; got {text!r}"
                                    + (f", unknown {unknown}" if unknown else ""))
     return names
@@ -302,7 +302,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     Raises:
       ValueError: a bad argument, named first in the message.
     """
-    from flsmem.harness.evaluate import LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, check_estimator, is_policy_name
+    from flsmem.harness.evaluate import (LEARNED_NAMES, PEER_NAMES, POLICY_NAMES, check_estimator, check_policies,
+                                         is_policy_name)
 
     plan = Plan(
         model=catalog.check(args.model), lengths=_lengths(args), tasks=_names("--tasks", args.tasks, TASKS),
@@ -311,6 +312,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
         evict_every=positive_int("--evict-every", args.evict_every), estimator=args.estimator)
     check_estimator(plan.estimator)
+    check_policies("--policies", plan.policies, _budget_tokens(min(plan.budgets), min(plan.lengths)))
     pyramids = [p for p in plan.policies if "pyramid(" in p]
     require(not pyramids, f"--policies {', '.join(pyramids)}: layer budgets hold until the next scheduled eviction, "
                           "and flsmem ruler evicts while it reads the question and answers, so they would be measured "
