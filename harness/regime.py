@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from fractions import Fraction
@@ -367,7 +368,8 @@ def format_tables(rows: list[dict]) -> str:
         unit = "answer accuracy after the gap (mean ± sd over seeds)" if metric == "accuracy" else \
             "NLL increase over the full cache, nats/token"
         lines += ["", f"## {setting}: {unit}; full cache {full['value']:.4f}", ""]
-        lines.append(f"{'policy':<16}" + "".join(f" | {'B=' + str(b):>13}" for b in budgets))
+        width = max([16] + [len(name) for name in _map_policies(mine)])
+        lines.append(f"{'policy':<{width}}" + "".join(f" | {'B=' + str(b):>13}" for b in budgets))
         for name in _map_policies(mine):
             cells = []
             for b in budgets:
@@ -376,7 +378,7 @@ def format_tables(rows: list[dict]) -> str:
                     cells.append(f" | {r['value']:>6.3f} ±{np.std(r['per_seed']):.3f}")
                 else:
                     cells.append(f" | {r['value'] - full['value']:>+13.4f}")
-            lines.append(f"{name:<16}" + "".join(cells))
+            lines.append(f"{name:<{width}}" + "".join(cells))
         lags = [r for r in mine if r["experiment"] == "lag"]
         if lags:
             lag_budgets = sorted({r["budget"] for r in lags})
@@ -567,7 +569,7 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
         out = check_output(args, stem)
         plan = plan_for(args)
     rows, elapsed = measure_or_render(plan, out, stem, args.render)
-    options = (" --quick" if args.quick else "") + (f" --policies {','.join(plan.policies)}" if args.policies else "")
+    options = (" --quick" if args.quick else "") + (f" --policies {shlex.quote(','.join(plan.policies))}" if args.policies else "")
     text = f"flsmem regime{options} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
