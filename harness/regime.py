@@ -102,13 +102,14 @@ class Plan:
         for name in ("fractions", "lag_fractions", "signal_fractions", "retention_fractions"):
             if not all(0 < f < 1 for f in getattr(self, name)):
                 raise ValueError(f"{name} must lie in (0, 1), got {getattr(self, name)}")
-        from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, is_policy_name, split_settings
+        from flsmem.harness.evaluate import LEARNED_NAMES, POLICY_NAMES, check_policies, is_policy_name, split_settings
 
         unknown = [p for p in self.policies
                    if not (p in LEARNED_NAMES or (is_policy_name(p) and split_settings(p)[0] in POLICY_NAMES))]
         if not self.policies or unknown:
             raise ValueError(f"policies must be among {POLICY_NAMES + LEARNED_NAMES}, or those with settings as in "
                              f"adaptive(horizon=256), got {self.policies}")
+        check_policies("policy", self.policies, max(1, int(min(self.fractions) * self.task_context)))
 
 
 FULL = Plan(
@@ -569,7 +570,9 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
         out = check_output(args, stem)
         plan = plan_for(args)
     rows, elapsed = measure_or_render(plan, out, stem, args.render)
-    options = (" --quick" if args.quick else "") + (f" --policies {shlex.quote(','.join(plan.policies))}" if args.policies else "")
+    options = (" --quick" if args.quick else "")
+    if args.policies:
+        options += f" --policies {shlex.quote(','.join(plan.policies))}"
     text = f"flsmem regime{options} ({elapsed:.0f} s)\n\n" + format_tables(rows)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")

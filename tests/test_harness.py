@@ -215,6 +215,8 @@ BAD_ARGUMENTS = {
                                       "--policies surprise(reserv=4): policy 'surprise' has no keyword 'reserv'"),
     "regime: learned policy with settings": (["regime", "--policies", "learned(rate=1)", "--out", "{tmp}/out"],
                                              "--policies"),
+    "regime: policy setting out of range": (["regime", "--policies", "h2o,adaptive(forget=2)", "--out", "{tmp}/out"],
+                                            "--policies: policy adaptive(forget=2): forget must"),
     "layer budgets streamed": (["eval", "--policies", "pyramid(h2o)"], "--policies pyramid(h2o): layer budgets apply"),
     "unknown protocol": (["eval", "--protocol", "batch"], "--protocol"),
     "windows 0": (["eval", "--windows", "0"], "--windows"),
