@@ -11,7 +11,7 @@ from flax import nnx
 from flsmem import policies as P
 from flsmem.harness.evaluate import (evaluate_nll, future_attention, is_policy_name, make_policy, run_comparison,
                                      split_policies, split_settings)
-from flsmem.harness.report import parse_budgets
+from flsmem.harness.report import format_table, parse_budgets
 from flsmem.models.data import cut_windows
 from flsmem.models.decoder import Decoder, DecoderConfig
 
@@ -119,6 +119,21 @@ def test_policy_settings_reach_the_factory_over_the_budgets_defaults():
     assert is_policy_name("adakv(adaptive(horizon=256))") and not is_policy_name("learned(rate=1.0)")
     with pytest.raises(ValueError, match="settings apply to"):
         make_policy("learned(rate=1.0)", 64)
+
+
+def test_the_table_shows_the_gap_closed_only_when_the_run_can_compute_it():
+    from flsmem.harness.evaluate import Row
+
+    def row(policy, budget, nll, gap=float("nan")):
+        r = Row(policy, budget, nll, 1.0, [nll])
+        r.delta_vs_full, r.gap_closed = nll - 3.0, gap
+        return r
+
+    without = format_table([row("full", 64, 3.0), row("h2o", 8, 3.25)], [8], "title").splitlines()
+    assert without[3].split() == ["policy", "|", "B=8", "nll", "+full"]
+    assert without[5].split() == ["h2o", "|", "3.2500", "+0.2500"]
+    rows = [row("full", 64, 3.0), row("streaming_llm", 8, 3.5, 0.0), row("h2o", 8, 3.25, 0.5), row("oracle", 8, 3.0, 1.0)]
+    assert format_table(rows, [8], "title").splitlines()[6].split() == ["h2o", "|", "3.2500", "+0.2500", "+0.50"]
 
 
 def test_argument_checks():
