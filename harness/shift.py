@@ -16,6 +16,13 @@ pretraining does. That is the only way it can learn from these windows at all: w
 the horizon it was trained with (256 queries), no label matures inside a 256-token
 window, so an estimator that forgets between requests never takes a step.
 
+By default each task is its own stream. ``--order sequential`` serves every task in one
+stream, one after another; ``--order interleaved`` serves them in one stream whose every
+request holds an equal share of each task, so every optimizer step learns from the
+whole family. ``--optimizer pretrained`` starts online learning from the Adam state the
+checkpoints' pretraining ended with, instead of a fresh one. ``--against DIR`` adds
+each online variant's difference from another run on the same examples.
+
 The goal: online updates recover at least half of the gap between the shifted and the
 in-family estimator, ``(online - offline) / (in_family - offline)``, pooled over tasks
 and budgets, within the one stream. Each pretraining seed of the shifted family is
@@ -38,10 +45,12 @@ from tqdm.auto import tqdm
 from flsmem.harness.arguments import checking
 from flsmem.validate import require
 
-__all__ = ["ShiftPlan", "QUICK", "stream", "run", "recovered", "format_report", "main"]
+__all__ = ["ShiftPlan", "QUICK", "stream", "run", "recovered", "against", "format_report", "format_against", "main"]
 
 CHUNK = 16
 RESAMPLES = 10_000
+OPTIMIZERS = ("fresh", "pretrained")
+ORDERS = ("per-task", "sequential", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +66,12 @@ class ShiftPlan:
       seeds, examples: the test examples (``examples`` per seed), streamed in this order.
       batch: windows per request of the stream.
       task_context: tokens per task window.
+      optimizer: the optimizer state online learning starts from: ``"fresh"`` Adam
+        moments, or the ``"pretrained"`` ones each checkpoint's pretraining ended with.
+      order: how the tasks' windows make streams: ``"per-task"``, one stream per task;
+        ``"sequential"``, one stream serving the tasks one after another;
+        ``"interleaved"``, one stream whose every request holds ``batch / len(tasks)``
+        windows of each task.
     """
 
     shifted: tuple[str, ...]
@@ -68,10 +83,14 @@ class ShiftPlan:
     examples: int = 32
     batch: int = 8
     task_context: int = 256
+    optimizer: str = "fresh"
+    order: str = "per-task"
 
     def __post_init__(self):
         from flsmem.models.tasks import TASKS
 
+        require(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, "
+                                              f"got {self.optimizer!r}")
         require(len(self.shifted) >= 1 and len(self.shifted) == len(self.in_family),
                 f"--shifted and --in-family must name the same number (>= 1) of checkpoints, one per pretraining "
                 f"seed, got {len(self.shifted)} and {len(self.in_family)}")
@@ -79,6 +98,9 @@ class ShiftPlan:
             for path in paths:
                 require((Path(path) / "params").is_dir(),
                         f"{name} must name estimator checkpoints (folders holding params/), got {path!r}")
+                require(self.optimizer == "fresh" or (Path(path) / "optimizer").is_dir(),
+                        f"--optimizer pretrained needs checkpoints saved with their optimizer state "
+                        f"(train/train_estimator.py --out saves it); {path!r} has none")
         # The estimators differ only in what they were pretrained on: one policy serves all.
         first = _estimator_settings(self.shifted[0])
         for path in self.shifted[1:] + self.in_family:
@@ -96,6 +118,12 @@ class ShiftPlan:
         total = len(self.seeds) * self.examples
         require(1 <= self.batch and total % self.batch == 0,
                 f"--batch must divide the {total} examples of a task's stream, got {self.batch}")
+        require(self.order in ORDERS, f"--order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.order == "interleaved":
+            share = self.batch // len(self.tasks)
+            require(share >= 1 and share * len(self.tasks) == self.batch and total % share == 0,
+                    f"--order interleaved needs --batch a multiple of the {len(self.tasks)} tasks whose share divides "
+                    f"the {total} examples of each task, got {self.batch}")
 
 
 def _estimator_settings(path: str) -> dict:
@@ -123,13 +151,14 @@ IN_FAMILY = tuple(f"results/shift/estimators/tasks-seed{s}" for s in range(4))
 QUICK = dict(tasks=("repeat", "chain"), fractions=(1 / 8,), learning_rates=(1e-2,), seeds=(3,), examples=32)
 
 
-def _start(path: str) -> dict:
-    """The estimator at ``path`` as the state a stream starts from (parameters and a fresh
-    optimizer, in :func:`flsmem.estimator.carry_over` form)."""
+def _start(path: str, optimizer: str = "fresh") -> dict:
+    """The estimator at ``path`` as the state a stream starts from (parameters and the
+    ``optimizer`` state, fresh or pretrained, in :func:`flsmem.estimator.carry_over` form)."""
     from flsmem import estimator as E
 
     policy = E.from_checkpoint(path)
-    return E.carry_over(policy.init_aux(policy, 1, 1, 1), layers_axis=False)
+    start = E.carry_over(policy.init_aux(policy, 1, 1, 1), layers_axis=False)
+    return start | {"opt": E.load_optimizer(path, policy)} if optimizer == "pretrained" else start
 
 
 def stream(model, windows: np.ndarray, policy, budget: int, start: dict,
@@ -174,14 +203,25 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
                                        task_context=plan.task_context)
     estimators = [("shifted", i, path) for i, path in enumerate(plan.shifted)]
     estimators += [("in_family", i, path) for i, path in enumerate(plan.in_family)]
-    starts = {path: _start(path) for _, _, path in estimators}
-    total = len(plan.tasks) * len(plan.fractions) * len(estimators) * len(_variants(plan))
+    starts = {path: _start(path, plan.optimizer) for _, _, path in estimators}
+    settings = {task: regime.task_setting(task, setting_plan, model) for task in plan.tasks}
+    # Each stream: the tasks it serves and, per task, where its windows sit in the stream.
+    per_task = len(settings[plan.tasks[0]].windows)
+    if plan.order == "per-task":
+        streams = [((task,), np.arange(per_task)[None]) for task in plan.tasks]
+    else:
+        share = per_task if plan.order == "sequential" else plan.batch // len(plan.tasks)
+        streams = [(plan.tasks, _stream_order(len(plan.tasks), per_task, share))]
+    total = len(streams) * len(plan.fractions) * len(estimators) * len(_variants(plan))
     bar = tqdm(total=total, desc="shift", unit="stream", disable=not progress)
     rows = []
-    for task in plan.tasks:
-        setting = regime.task_setting(task, setting_plan, model)
+    for tasks, order in streams:
+        first = settings[tasks[0]]
+        windows = np.empty((order.size,) + first.windows.shape[1:], first.windows.dtype)
+        for task, places in zip(tasks, order):
+            windows[places] = settings[task].windows
         for fraction in plan.fractions:
-            budget = int(round(fraction * setting.context))
+            budget = int(round(fraction * first.context))
             for rate in _variants(plan):
                 # One policy per variant and budget: each estimator enters as its starting
                 # state, so every checkpoint shares one compiled loop (a frozen one's rate
@@ -189,15 +229,26 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
                 policy = E.from_checkpoint(plan.shifted[0], online=rate is not None, learning_rate=rate or 1e-3,
                                            recent=budget // 2)
                 for family, index, path in estimators:
-                    bar.set_postfix_str(f"{task} B={budget} {family}[{index}] {rate or 'offline'}")
-                    nll, hit, updates = stream(model, setting.windows, policy, budget, starts[path], plan.batch)
-                    per_example = setting.score(nll, hit)
-                    rows.append({"task": task, "fraction": fraction, "budget": budget, "estimator": family,
-                                 "pretraining": index, "learning_rate": rate, "updates": updates,
-                                 "value": float(per_example.mean()), "per_example": per_example.tolist()})
+                    bar.set_postfix_str(f"{'+'.join(tasks)} B={budget} {family}[{index}] {rate or 'offline'}")
+                    nll, hit, updates = stream(model, windows, policy, budget, starts[path], plan.batch)
+                    for task, places in zip(tasks, order):
+                        per_example = settings[task].score(nll[places], hit[places])
+                        rows.append({"task": task, "fraction": fraction, "budget": budget, "estimator": family,
+                                     "pretraining": index, "learning_rate": rate, "updates": updates,
+                                     "value": float(per_example.mean()), "per_example": per_example.tolist()})
                     bar.update(1)
     bar.close()
+    # A stream of several tasks yields their rows at once; the report reads them task by task.
+    rows.sort(key=lambda r: (plan.tasks.index(r["task"]), plan.fractions.index(r["fraction"])))
     return rows
+
+
+def _stream_order(tasks: int, windows: int, share: int) -> np.ndarray:
+    """``[tasks, windows]``: where each task's windows sit in one stream that takes
+    ``share`` consecutive windows of each task in turn (``share = windows``: the tasks
+    one after another)."""
+    turn, within = np.divmod(np.arange(windows), share)
+    return np.stack([turn * tasks * share + task * share + within for task in range(tasks)])
 
 
 def _cells(rows: list[dict]) -> list[tuple[str, float]]:
@@ -232,22 +283,62 @@ def recovered(rows: list[dict], rate: float, seed: int = 0) -> dict:
         return float(a / b) if b else float("nan")
 
     per_seed = [ratio(g.mean(), d.mean()) for g, d in zip(gain, gap)]
-    # Each task's examples are drawn afresh in every resample; its budgets share the draw.
+    gains, gaps = _resampled(rows, [gain, gap], seed)
+    ratios = np.divide(gains, gaps, out=np.full_like(gains, np.nan), where=gaps != 0)
+    return {"ratio": _summary(ratio(gain.mean(), gap.mean()), ratios), "gain": _summary(gain.mean(), gains),
+            "gap": _summary(gap.mean(), gaps), "per_seed": per_seed}
+
+
+def _resampled(rows: list[dict], arrays: list[np.ndarray], seed: int) -> list[np.ndarray]:
+    """Bootstrap means of each ``[seeds, cells, examples]`` array of ``rows``' cells:
+    each task's examples are drawn afresh in every resample, one draw for all its
+    budgets and seeds and for every array (every variant saw the same examples)."""
     tasks = [task for task, _ in _cells(rows)]
     rng = np.random.default_rng(seed)
-    examples = gain.shape[-1]
+    examples = arrays[0].shape[-1]
     draw = {task: rng.integers(examples, size=(RESAMPLES, examples)) for task in dict.fromkeys(tasks)}
     picks = np.stack([draw[task] for task in tasks], axis=1)  # [resamples, cells, examples]
-    gains = np.take_along_axis(gain.mean(axis=0)[None], picks, axis=-1).mean(axis=(1, 2))
-    gaps = np.take_along_axis(gap.mean(axis=0)[None], picks, axis=-1).mean(axis=(1, 2))
-    ratios = np.divide(gains, gaps, out=np.full_like(gains, np.nan), where=gaps != 0)
+    return [np.take_along_axis(a.mean(axis=0)[None], picks, axis=-1).mean(axis=(1, 2)) for a in arrays]
 
-    def summary(value, draws):
-        low, high = np.nanpercentile(draws, [2.5, 97.5])
-        return float(value), float(low), float(high)
 
-    return {"ratio": summary(ratio(gain.mean(), gap.mean()), ratios), "gain": summary(gain.mean(), gains),
-            "gap": summary(gap.mean(), gaps), "per_seed": per_seed}
+def _summary(value, draws) -> tuple[float, float, float]:
+    low, high = np.nanpercentile(draws, [2.5, 97.5])
+    return float(value), float(low), float(high)
+
+
+def against(rows: list[dict], base: list[dict], seed: int = 0) -> list[dict]:
+    """Each online variant of ``rows`` against the same variant of another run
+    ``base`` on the same examples and estimators (for example another optimizer
+    start): the pooled difference ``rows - base`` over the whole stream and each of
+    its halves, with 95% bootstrap intervals over examples (as :func:`recovered`).
+
+    Raises:
+      ValueError: the runs' frozen estimators differ, so they did not serve the same
+        examples from the same checkpoints.
+    """
+    def layout(run):
+        return _cells(run), sorted({r["pretraining"] for r in run})
+
+    if layout(rows) != layout(base):
+        raise ValueError("--against must name a run on the same examples and checkpoints; its tasks, budgets or "
+                         "pretraining seeds differ")
+    for family in ("shifted", "in_family"):
+        if not np.array_equal(_values(rows, family, None), _values(base, family, None)):
+            raise ValueError(f"--against must name a run on the same examples and checkpoints; its {family} "
+                             f"offline accuracies differ")
+    rates = sorted({r["learning_rate"] for r in rows if r["learning_rate"] is not None}
+                   & {r["learning_rate"] for r in base if r["learning_rate"] is not None})
+    compared = []
+    for family in ("shifted", "in_family"):
+        for rate in rates:
+            diff = _values(rows, family, rate) - _values(base, family, rate)
+            half = diff.shape[-1] // 2
+            for part, kept in (("whole", slice(None)), ("first", slice(0, half)), ("second", slice(half, None))):
+                value = diff[..., kept]
+                (draws,) = _resampled(rows, [value], seed)
+                compared.append({"family": family, "rate": rate, "half": part,
+                                 "difference": _summary(value.mean(), draws)})
+    return compared
 
 
 def _fraction(f: float) -> str:
@@ -278,7 +369,7 @@ def format_report(rows: list[dict]) -> str:
         budget = next(r["budget"] for r in rows if (r["task"], r["fraction"]) == (task, fraction))
         lines.append(f"| {task} | {budget} ({_fraction(fraction)}) | " + " | ".join(cells) + " |")
     steps = {rate: sorted({r["updates"] for r in rows if r["learning_rate"] == rate}) for rate in rates}
-    lines += ["", "optimizer steps taken over one task's stream: " + ", ".join(
+    lines += ["", "optimizer steps taken over one stream: " + ", ".join(
         f"online {rate:g}: {'/'.join(map(str, s))}" for rate, s in steps.items()) + "; offline: 0"]
     lines += ["", "## gap recovered by online learning, from the shifted start (accuracy, pooled over tasks, budgets "
                   "and examples; [95% bootstrap over examples])", "",
@@ -320,6 +411,18 @@ def format_report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_against(compared: list[dict], base: str) -> str:
+    """The table of :func:`against`, ``base`` naming the other run."""
+    lines = [f"## against {base}: this run minus that one, same examples and checkpoints (accuracy, pooled over "
+             f"tasks, budgets, examples and seeds; [95% bootstrap over examples])", "",
+             "| variant | whole stream | first half | second half |", "|---|---|---|---|"]
+    for family, rate in dict.fromkeys((c["family"], c["rate"]) for c in compared):
+        cells = {c["half"]: "{:+.3f} [{:+.3f}, {:+.3f}]".format(*c["difference"]) for c in compared
+                 if (c["family"], c["rate"]) == (family, rate)}
+        lines.append(f"| {_label(family, rate)} | {cells['whole']} | {cells['first']} | {cells['second']} |")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shifted", default=",".join(SHIFTED), metavar="DIRS",
                         help="comma-separated estimator checkpoints pretrained off the target family, one per seed")
@@ -328,11 +431,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rates", default=",".join(f"{r:g}" for r in ShiftPlan.learning_rates),
                         metavar="RATES", help="comma-separated Adam step sizes of the online variants")
     parser.add_argument("--batch", type=int, default=ShiftPlan.batch, help="windows per request of the stream")
+    parser.add_argument("--optimizer", default=ShiftPlan.optimizer, metavar="|".join(OPTIMIZERS),
+                        help="the optimizer state online learning starts from: fresh Adam moments, or those each "
+                             "checkpoint's pretraining ended with (checkpoints saved with them)")
+    parser.add_argument("--order", default=ShiftPlan.order, metavar="|".join(ORDERS),
+                        help="one stream per task, or one stream of every task: one task after another, or each "
+                             "request holding an equal share of each task's windows")
     parser.add_argument("--quick", action="store_true",
                         help="repeat and chain, budget 1/8, one seed of examples (3, which the full run does not "
                              "use), learning rate 1e-2")
     parser.add_argument("--out", default="results/shift", help="folder for shift.json and shift.txt")
     parser.add_argument("--render", action="store_true", help="measure nothing: rewrite from the JSON in --out")
+    parser.add_argument("--against", metavar="DIR",
+                        help="another run's --out folder, on the same examples and checkpoints: add each online "
+                             "variant's difference from it")
 
 
 def run_cli(args: argparse.Namespace) -> list[dict]:
@@ -341,20 +453,33 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
     stem = "quick" if args.quick else "shift"
     with checking("flsmem shift"):
         out = check_output(args, stem)
+        base = None
+        if args.against is not None:
+            saved = Path(args.against) / f"{stem}.json"
+            require(saved.is_file(), f"--against must name a folder holding a run's {stem}.json, got {args.against!r}")
+            base = json.loads(saved.read_text())["rows"]
         plan = None if args.render else ShiftPlan(
-            _paths(args.shifted), _paths(args.in_family), batch=args.batch,
+            _paths(args.shifted), _paths(args.in_family), batch=args.batch, optimizer=args.optimizer,
+            order=args.order,
             **({"learning_rates": _rates(args.learning_rates)} | (QUICK if args.quick else {})))
     if args.render:
         saved = json.loads((out / f"{stem}.json").read_text())
-        rows, elapsed = saved["rows"], saved["seconds"]
+        rows, elapsed, optimizer = saved["rows"], saved["seconds"], saved["plan"].get("optimizer", "fresh")
+        order = saved["plan"].get("order", "per-task")
     else:
         begin = time.perf_counter()
-        rows = run(plan)
+        rows, optimizer, order = run(plan), plan.optimizer, plan.order
         elapsed = time.perf_counter() - begin
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(
             {"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows}) + "\n")
-    text = f"flsmem shift{' --quick' if args.quick else ''} ({elapsed:.0f} s)\n\n" + format_report(rows)
+    flags = ((" --quick" if args.quick else "") + (f" --optimizer {optimizer}" if optimizer != "fresh" else "")
+             + (f" --order {order}" if order != "per-task" else ""))
+    text = f"flsmem shift{flags} ({elapsed:.0f} s)\n\n" + format_report(rows)
+    if base is not None:
+        with checking("flsmem shift"):
+            compared = against(rows, base)
+        text += "\n\n" + format_against(compared, args.against)
     print(text)
     (out / f"{stem}.txt").write_text(text + "\n")
     return rows

@@ -128,6 +128,22 @@ def test_checkpoint_round_trips_bit_exactly(tmp_path):
     assert E.learned(weights) == E.learned(E.Weights(params))
 
 
+def test_optimizer_state_round_trips_and_its_absence_is_a_clear_error(tmp_path):
+    policy = E.learned(E.Weights(E.init_params(16, seed=3)), online=True, horizon=4)
+    state, _, _ = _stream(policy, budget=12)
+    learned = E.carry_over(state.aux, layers_axis=False)
+    assert int(learned["updates"]) > 0  # moments and a step count that a fresh start lacks
+    E.save(tmp_path / "with", learned["params"], {"horizon": 4}, optimizer_state=learned["opt"])
+    restored = E.load_optimizer(tmp_path / "with", E.from_checkpoint(tmp_path / "with"))
+    assert jax.tree.structure(restored) == jax.tree.structure(learned["opt"])
+    for a, b in zip(jax.tree.leaves(learned["opt"]), jax.tree.leaves(restored)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    E.save(tmp_path / "without", learned["params"], {"horizon": 4})
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        E.load_optimizer(tmp_path / "without", policy)
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     E.save(tmp_path / "estimator", E.init_params(8))
     for path in (tmp_path / "estimator").rglob("*"):

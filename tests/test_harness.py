@@ -255,6 +255,9 @@ BAD_ARGUMENTS = {
     "shift learning rate not a number": (["shift", "--learning-rates", "fast", "--out", "{tmp}/out"],
                                          "--learning-rates"),
     "shift render with nothing saved": (["shift", "--render", "--out", "{tmp}/empty"], "--render"),
+    "shift unknown optimizer": (["shift", "--optimizer", "adam", "--out", "{tmp}/out"],
+                                "--optimizer must be one of fresh, pretrained, got 'adam'"),
+    "shift against no run": (["shift", "--against", "{tmp}/folder", "--out", "{tmp}/out"], "--against"),
 }
 
 

@@ -33,6 +33,13 @@ def test_a_stream_of_requests_carries_what_the_estimator_learns():
     assert not np.allclose(learned_nll[2:], nll[2:], rtol=0, atol=1e-6)
 
 
+def test_a_pretrained_optimizer_needs_checkpoints_that_saved_one(tmp_path):
+    with pytest.raises(ValueError, match="--optimizer pretrained needs checkpoints saved with their optimizer"):
+        shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), optimizer="pretrained")
+    plan = shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),))
+    assert plan.optimizer == "fresh"
+
+
 def _rows(values):
     """Rows of one task and budget from ``{(family, rate): [per-example values per seed]}``."""
     return [{"task": "repeat", "fraction": 0.125, "budget": 32, "estimator": family, "learning_rate": rate,
@@ -57,3 +64,39 @@ def test_gap_recovered_by_hand():
     text = shift.format_report(rows)
     assert "| repeat | 32 (1/8) | 0.375 ± 0.177 | 0.500 ± 0.177 | 0.625 ± 0.177 |" in text, text
     assert "FAILS  online 0.01 recovers +0.50 of the gap (goal >= 0.5); no measurable gap" in text, text
+
+
+def test_a_run_against_another_by_hand():
+    frozen = {("shifted", None): [[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]],
+              ("in_family", None): [[1.0, 0.0, 0.5, 0.5], [1.0, 1.0, 0.5, 0.5]]}
+    base = _rows(frozen | {("shifted", 0.01): [[0.5, 0.0, 0.5, 0.5], [1.0, 0.5, 0.5, 0.5]],
+                           ("in_family", 0.01): [[1.0, 0.0, 0.5, 0.5], [1.0, 1.0, 0.5, 0.5]]})
+    rows = _rows(frozen | {("shifted", 0.01): [[0.5, 0.0, 0.5, 1.0], [1.0, 0.5, 0.5, 1.0]],
+                           ("in_family", 0.01): [[0.0, 0.0, 0.5, 0.5], [1.0, 1.0, 0.5, 0.5]]})
+    got = {(c["family"], c["half"]): c["difference"] for c in shift.against(rows, base)}
+    # shifted: +0.5 on the last example of both seeds, 1/8 of the stream's mean, all in its second half.
+    assert got[("shifted", "whole")][0] == pytest.approx(0.125)
+    assert got[("shifted", "first")] == pytest.approx((0.0, 0.0, 0.0))
+    assert got[("shifted", "second")][0] == pytest.approx(0.25)
+    # in_family: -1 on the first example of one seed: -1/8 over the stream, -1/4 in the first half.
+    assert got[("in_family", "whole")][0] == pytest.approx(-0.125)
+    assert got[("in_family", "first")][0] == pytest.approx(-0.25)
+    assert got[("in_family", "second")] == pytest.approx((0.0, 0.0, 0.0))
+    low, high = got[("in_family", "whole")][1:]
+    assert -0.5 <= low < -0.125 < high <= 0.0  # resampling the one example that moved, 0 to 4 times
+    table = shift.format_against(shift.against(rows, base), "other")
+    assert "| shifted online 0.01 | +0.125 [" in table and "| +0.000 [+0.000, +0.000] |" in table, table
+    moved = _rows(frozen | {("shifted", None): [[0.0, 0.0, 0.5, 0.5], [0.5, 0.5, 0.5, 0.0]]})
+    with pytest.raises(ValueError, match="--against must name a run on the same examples"):
+        shift.against(rows, moved + [r for r in base if r["learning_rate"] is not None])
+
+
+def test_one_stream_of_every_task_in_turns_or_one_after_another():
+    # Shares of two windows: each request of 6 holds two of each task, in their order.
+    order = shift._stream_order(tasks=3, windows=4, share=2)
+    np.testing.assert_array_equal(order, [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]])
+    np.testing.assert_array_equal(shift._stream_order(tasks=2, windows=3, share=3), [[0, 1, 2], [3, 4, 5]])
+    with pytest.raises(ValueError, match="--order interleaved needs --batch a multiple of the 4 tasks"):
+        shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), batch=6, order="interleaved")
+    with pytest.raises(ValueError, match="--order must be one of per-task, sequential, interleaved"):
+        shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), order="mixed")

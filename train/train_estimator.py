@@ -21,8 +21,9 @@ horizon labels 0.
 Orbax checkpoints in ``--workdir`` every ``--save-every`` batches hold the parameters,
 the optimizer state and the batch count; batch ``i`` is drawn from a generator seeded
 with ``(seed, i)``, so a killed run started again with the same command continues from
-the last checkpoint exactly. ``--out DIR`` writes the final parameters alone
-(:func:`flsmem.estimator.save`), read back by :func:`flsmem.estimator.load`.
+the last checkpoint exactly. ``--out DIR`` writes the final parameters and optimizer state
+(:func:`flsmem.estimator.save`), read back by :func:`flsmem.estimator.load` and
+:func:`flsmem.estimator.load_optimizer`.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
         print("stopped early; the same command resumes from the checkpoint just saved")
         learned["interrupted"] = True
     elif options.out is not None:
-        E.save(options.out, learned["params"], options.run_settings())
+        E.save(options.out, learned["params"], options.run_settings(), optimizer_state=learned["opt"])
         print(f"wrote the estimator to {options.out}")
     return learned
 

@@ -24,12 +24,12 @@ The package, one concern a module:
   step; :func:`flush` at a stream's end and :func:`carry_over` between runs;
 * :mod:`~flsmem.estimator.learner`: the :func:`learned` policy and its typed
   :class:`LearnedParams`, and :func:`guided` (a learner behind another policy);
-* :mod:`~flsmem.estimator.io`: :func:`save`, :func:`load`, :func:`load_settings` and
-  :func:`from_checkpoint`.
+* :mod:`~flsmem.estimator.io`: :func:`save`, :func:`load`, :func:`load_settings`,
+  :func:`load_optimizer` and :func:`from_checkpoint`.
 """
 
 from flsmem.estimator.evidence import FEATURES, features
-from flsmem.estimator.io import from_checkpoint, load, load_settings, save
+from flsmem.estimator.io import from_checkpoint, load, load_optimizer, load_settings, save
 from flsmem.estimator.labels import carry_over, flush
 from flsmem.estimator.learner import GuidedParams, LearnedParams, guided, learned
 from flsmem.estimator.network import PRIORS, ImportanceNet, Weights, init_params, predict
@@ -49,6 +49,7 @@ __all__ = [
     "init_params",
     "learned",
     "load",
+    "load_optimizer",
     "load_settings",
     "predict",
     "save",

@@ -1,6 +1,8 @@
 """Estimator checkpoints: :func:`save` and :func:`load` the parameters (an orbax
 checkpoint) with the settings they were trained with, and :func:`from_checkpoint` builds
-the policy from both. A missing, truncated or corrupted checkpoint, or one whose network
+the policy from both. A checkpoint may also hold the optimizer state its pretraining
+ended with (:func:`load_optimizer`), for online learning that continues it rather than
+starting Adam's moments afresh. A missing, truncated or corrupted checkpoint, or one whose network
 reads other features than :data:`~flsmem.estimator.FEATURES`, is refused with a
 ``ValueError`` before anything partial is returned."""
 
@@ -12,25 +14,30 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flsmem.checkpoint import save_tree
+from flsmem.checkpoint import abstract_tree, restore_tree, save_tree
 from flsmem.estimator.evidence import FEATURES
+from flsmem.estimator.labels import optimizer
 from flsmem.estimator.learner import learned
 from flsmem.estimator.network import Weights, hidden_of, param_shapes
 from flsmem.policies import Policy
 from flsmem.typing import PyTree
 
-__all__ = ["from_checkpoint", "load", "load_settings", "save"]
+__all__ = ["from_checkpoint", "load", "load_optimizer", "load_settings", "save"]
 
 
-def save(path, params: PyTree, settings: dict | None = None) -> None:
+def save(path, params: PyTree, settings: dict | None = None, optimizer_state: PyTree | None = None) -> None:
     """Write estimator parameters to the directory ``path`` (created; it must not
-    exist): an orbax checkpoint in ``path/params`` and, when given, the ``settings``
-    they were trained with (horizon, label, ...) in ``path/settings.json``."""
+    exist): an orbax checkpoint in ``path/params``, when given the ``settings`` they
+    were trained with (horizon, label, ...) in ``path/settings.json``, and when given
+    the ``optimizer_state`` their training ended with (the ``"opt"`` entry of the
+    learned state) in ``path/optimizer``."""
     root = _absolute(path)
     if root.exists():
         raise ValueError(f"estimator checkpoint {str(path)!r} exists; choose a new directory")
     # flsmem.checkpoint's writer: atomic, and no trace of the writer's paths in the files.
     save_tree(root / "params", jax.tree.map(np.asarray, params), what="estimator checkpoint")
+    if optimizer_state is not None:
+        save_tree(root / "optimizer", jax.tree.map(np.asarray, optimizer_state), what="estimator checkpoint")
     if settings is not None:
         (root / "settings.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
@@ -64,6 +71,25 @@ def load(path) -> Weights:
     if not all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(weights.params)):
         raise ValueError(f"estimator checkpoint {str(path)!r} holds non-finite parameters")
     return weights
+
+
+def load_optimizer(path, policy: Policy) -> PyTree:
+    """The optimizer state saved beside the parameters at ``path``, in the form
+    ``policy``'s state holds it (the ``"opt"`` entry of :func:`learned`'s state and of
+    :func:`~flsmem.estimator.carry_over`): online learning from it continues the
+    pretraining's Adam moments and step count instead of starting them afresh.
+
+    Raises:
+      ValueError: the checkpoint holds no optimizer state (written without one), or it
+        does not match ``policy``'s optimizer.
+    """
+    full = _absolute(path) / "optimizer"
+    if not full.is_dir():
+        raise ValueError(f"estimator checkpoint {str(path)!r} holds no optimizer state (saved without it); "
+                         f"retrain it with train/train_estimator.py --out, which saves it")
+    params = load(path).params
+    target = abstract_tree(optimizer(policy).init(jax.tree.map(np.asarray, params)))
+    return restore_tree(full, target, what="estimator checkpoint")
 
 
 def load_settings(path) -> dict:
