@@ -465,16 +465,17 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
     if args.render:
         saved = json.loads((out / f"{stem}.json").read_text())
         rows, elapsed, optimizer = saved["rows"], saved["seconds"], saved["plan"].get("optimizer", "fresh")
-        order = saved["plan"].get("order", "per-task")
+        order, batch = saved["plan"].get("order", "per-task"), saved["plan"]["batch"]
     else:
         begin = time.perf_counter()
-        rows, optimizer, order = run(plan), plan.optimizer, plan.order
+        rows, optimizer, order, batch = run(plan), plan.optimizer, plan.order, plan.batch
         elapsed = time.perf_counter() - begin
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(
             {"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows}) + "\n")
     flags = ((" --quick" if args.quick else "") + (f" --optimizer {optimizer}" if optimizer != "fresh" else "")
-             + (f" --order {order}" if order != "per-task" else ""))
+             + (f" --order {order}" if order != "per-task" else "")
+             + (f" --batch {batch}" if batch != ShiftPlan.batch else ""))
     text = f"flsmem shift{flags} ({elapsed:.0f} s)\n\n" + format_report(rows)
     if base is not None:
         with checking("flsmem shift"):
