@@ -456,8 +456,12 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
         base = None
         if args.against is not None:
             saved = Path(args.against) / f"{stem}.json"
-            require(saved.is_file(), f"--against must name a folder holding a run's {stem}.json, got {args.against!r}")
-            base = json.loads(saved.read_text())["rows"]
+            try:
+                base = json.loads(saved.read_text()).get("rows")
+            except (OSError, ValueError, AttributeError):
+                base = None
+            require(isinstance(base, list),
+                    f"--against must name a folder holding a run's {stem}.json, got {args.against!r}")
         plan = None if args.render else ShiftPlan(
             _paths(args.shifted), _paths(args.in_family), batch=args.batch, optimizer=args.optimizer,
             order=args.order,

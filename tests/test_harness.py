@@ -258,6 +258,7 @@ BAD_ARGUMENTS = {
     "shift unknown optimizer": (["shift", "--optimizer", "adam", "--out", "{tmp}/out"],
                                 "--optimizer must be one of fresh, pretrained, got 'adam'"),
     "shift against no run": (["shift", "--against", "{tmp}/folder", "--out", "{tmp}/out"], "--against"),
+    "shift against a file that is no run": (["shift", "--against", "{tmp}/run", "--out", "{tmp}/out"], "--against"),
 }
 
 
@@ -285,6 +286,8 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, no
     (tmp_path / "binary.dat").write_bytes(bytes(range(256)))
     (tmp_path / "short.txt").write_text("Twelve bytes")
     (tmp_path / "folder").mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "shift.json").write_text('{"plan": {}}')
     (tmp_path / "notes.gguf").write_text("not a model")
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as exit_:

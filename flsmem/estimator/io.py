@@ -2,9 +2,9 @@
 checkpoint) with the settings they were trained with, and :func:`from_checkpoint` builds
 the policy from both. A checkpoint may also hold the optimizer state its pretraining
 ended with (:func:`load_optimizer`), for online learning that continues it rather than
-starting Adam's moments afresh. A missing, truncated or corrupted checkpoint, or one whose network
-reads other features than :data:`~flsmem.estimator.FEATURES`, is refused with a
-``ValueError`` before anything partial is returned."""
+starting Adam's moments afresh. A missing, truncated or corrupted checkpoint, or one
+whose network reads other features than :data:`~flsmem.estimator.FEATURES`, is refused
+with a ``ValueError`` before anything partial is returned."""
 
 from __future__ import annotations
 
