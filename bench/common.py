@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import pathlib
 import platform
@@ -153,7 +154,29 @@ def paired(baseline, variants: dict[str, object], rounds: int) -> dict[str, dict
             else:
                 t_base, t_var = time_once(baseline), time_once(fn)
             samples[name].append(t_var / t_base)
-    return {name: {"median": statistics.median(v), "low": min(v), "high": max(v)} for name, v in samples.items()}
+    return {name: summarise(v) for name, v in samples.items()}
+
+
+def summarise(ratios: list[float]) -> dict[str, object]:
+    """The median of per-round ratios, the lowest and highest round, a 95% interval for
+    the median (:func:`median_interval`) and the rounds themselves."""
+    low, high = median_interval(ratios)
+    return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "median_low": low, "median_high": high, "rounds": list(ratios)}
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median: the order statistics
+    ``(x_(j), x_(n+1-j))`` with the largest ``j`` whose coverage, from the binomial
+    distribution of the rounds above and below the median, is at least ``level``. With
+    fewer than 6 rounds no such ``j`` exists and the interval is the whole range."""
+    x = sorted(values)
+    n = len(x)
+    j = 1
+    # P(x_(j) <= median <= x_(n+1-j)) = 1 - 2 P(Bin(n, 1/2) <= j - 1)
+    while j < n + 1 - j and 1 - 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2**n >= level:
+        j += 1
+    return x[j - 1], x[n - j]
 
 
 def machine() -> dict[str, object]:

@@ -75,9 +75,12 @@ def plain_step(model: Decoder, cache: dict, logits, t):
         at = (index, zero, zero, slot, zero)
         k_all = jax.lax.dynamic_update_slice(k_all, jnp.swapaxes(k, 1, 2)[None].astype(k_all.dtype), at)
         v_all = jax.lax.dynamic_update_slice(v_all, jnp.swapaxes(v, 1, 2)[None].astype(v_all.dtype), at)
-        scores = jnp.einsum("BTKGD,BKSD->BKGTS", q, k_all[index]) * scale
+        # The products of flsmem.attend, in its layout (slots last, queries as [B, K, G, T, D]),
+        # so that the two loops differ only in the memory's bookkeeping.
+        queries = jnp.moveaxis(q, 1, 3)
+        scores = jnp.einsum("BKGTD,BKSD->BKGTS", queries, k_all[index]) * scale
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        out = jnp.einsum("BKGTS,BKSD->BTKGD", probs, v_all[index])
+        out = jnp.moveaxis(jnp.einsum("BKGTS,BKSD->BKGTD", probs, v_all[index]), 3, 1)
         x = x + attn.o(out.reshape(b, 1, -1))
         return (x + block.mlp(block.mlp_norm(x)), k_all, v_all), None
 

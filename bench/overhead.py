@@ -110,6 +110,10 @@ def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int
                 "slots": budget + ee, "steps": steps, "rounds": rounds,
                 "overhead": r[label]["median"] - 1.0, "overhead_low": r[label]["low"] - 1.0,
                 "overhead_high": r[label]["high"] - 1.0,
+                # A 95% interval for the median overhead, and every round's.
+                "overhead_median_low": r[label]["median_low"] - 1.0,
+                "overhead_median_high": r[label]["median_high"] - 1.0,
+                "overhead_rounds": [x - 1.0 for x in r[label]["rounds"]],
                 # First call (trace + compile + one run) over the plain loop's first call.
                 "first_call_ratio": compile_s[label] / compile_s[f"plain/{ee}"],
             })
@@ -127,8 +131,10 @@ def main(argv=None):
             new_rows = rows[-len(args.policies) * len(args.evict_every):]
             for row in new_rows:
                 print(f"{row['model']:8} B={row['batch']} {row['policy']:4} evict_every={row['evict_every']:3} "
-                      f"overhead {100 * row['overhead']:+6.2f}% (rounds {100 * row['overhead_low']:+.2f}% .. "
-                      f"{100 * row['overhead_high']:+.2f}%), first call x{row['first_call_ratio']:.2f}", flush=True)
+                      f"overhead {100 * row['overhead']:+6.2f}% (95% interval of the median "
+                      f"{100 * row['overhead_median_low']:+.2f}% .. {100 * row['overhead_median_high']:+.2f}%; "
+                      f"rounds {100 * row['overhead_low']:+.2f}% .. {100 * row['overhead_high']:+.2f}%), "
+                      f"first call x{row['first_call_ratio']:.2f}", flush=True)
     common.save(args.out, {"rows": rows})
     if args.quick:
         print(f"overhead {100 * rows[0]['overhead']:+.2f}%")

@@ -6,17 +6,22 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
 # The overhead is the work flsmem adds, so its loops run on one core (bench/NOTES.md,
 # "Two threads"); the quick form once more on every core shows the difference.
-# tiny's steps take milliseconds, so its ratios need more rounds to settle.
-$python -m bench.overhead --models tiny --batch 1,8 --rounds 15 --cores 1 --out overhead-tiny
+# A goal of a few percent is decided by the 95% interval of the median ratio, which
+# narrows with the rounds: 21 rounds give the 6th to the 16th (bench/NOTES.md).
+$python -m bench.overhead --models tiny --batch 1,8 --rounds 21 --cores 1 --out overhead-tiny
 # Issue 21's serving goals name rmm, h2o, ema and kalman at evict_every 8 and 1.
-$python -m bench.overhead --models smollm2 --batch 1,8 --policies rmm,h2o,ema,kalman --evict-every 1,8 --rounds 9 --cores 1
+$python -m bench.overhead --models smollm2 --batch 1,8 --policies rmm,h2o,ema,kalman --evict-every 1,8 --rounds 21 --cores 1
 $python -m bench.overhead --quick
 $python -m bench.overhead --quick --cores all --out overhead-quick-all-cores
 # The learned estimator (its network and online learning) beside rmm in the same run.
-$python -m bench.overhead --models tiny,smollm2 --batch 1 --policies learned,learned_offline,rmm --evict-every 8 --rounds 5 --cores 1 --out overhead-learned
+$python -m bench.overhead --models tiny,smollm2 --batch 1 --policies learned,learned_offline,rmm --evict-every 8 --rounds 15 --cores 1 --out overhead-learned
 # Budgets shared by KV heads (AdaKV) beside the same policies with uniform budgets.
 $python -m bench.overhead --models smollm2 --batch 1,8 --policies 'rmm,adakv(rmm),h2o,adakv(h2o)' --evict-every 8 --rounds 9 --cores 1 --out overhead-adakv
 $python -m bench.profile --batch 1,8 --cores 1
+# The first call's ratio taken apart, and a small model's step operation by operation.
+$python -m bench.compile_time --cores 1
+$python -m bench.compile_time --model smollm2 --cores 1 --out compile-time-smollm2
+$python -m bench.step_trace --model tiny --policy rmm --evict-every 8 --cores 1 --top 30 > results/bench/step-trace-tiny.txt
 $python -m bench.longctx --batch 1,8
 $python -m bench.prefill_memory
 # One prefill chunk against the plain forward; how its "before" rows were made: bench/NOTES.md.

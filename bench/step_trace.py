@@ -10,6 +10,12 @@ each operation's own wall time and need not add up to the step's.
     python -m bench.step_trace                        # N = 4096, evict_every 64 (none due)
     python -m bench.step_trace --evict-every 1        # an eviction every step
     python -m bench.step_trace --policy kalman        # another policy's step
+
+With ``--model`` it traces the serving loop of that model instead (``bench.overhead``'s
+two loops, flsmem's and the plain ring cache's, batch ``--batch``, budget as there) and
+prints, for each loop, the operations that ran per step and their summed time, then
+flsmem's costliest operations: what a step of a small model pays for the memory is the
+count of its operations as much as their size.
 """
 
 from __future__ import annotations
@@ -65,6 +71,43 @@ def operation_times(fn, args, calls: int, **static) -> tuple[collections.Counter
     return per_call, origin
 
 
+CONTROL = ("while", "cond", "call", "conditional")
+
+
+def leaf_times(per_call: collections.Counter) -> collections.Counter:
+    """The operations that do work: control flow (loops, conditionals, calls) left out,
+    as its time is that of the operations it runs."""
+    return collections.Counter({name: us for name, us in per_call.items() if not name.startswith(CONTROL)})
+
+
+def trace_loops(model_name: str, batch: int, policy: str, evict_every: int, steps: int, top: int) -> None:
+    """Per-step operations of the plain and the flsmem serving loop of ``model_name``."""
+    from flax import nnx
+
+    import flsmem
+    from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
+    from bench.overhead import BUDGET
+
+    model = common.load_model(model_name)
+    graphdef, params = nnx.split(model)
+    budget = BUDGET[model_name]
+    start = 2 * budget
+    key = jax.random.key(0)
+    logits = jax.random.normal(key, (batch, model.cfg.vocab_size))
+    config = flsmem.MemoryConfig(policy=POLICIES[policy](), budget=budget, evict_every=evict_every)
+    loops = {"plain": (run_plain, plain_cache(model.cfg, batch, budget + evict_every, start, key)),
+             "flsmem": (run_flsmem, steady_memories(model.cfg, config, batch, start, key))}
+    print(f"{model_name}, batch {batch}, {policy}, budget {budget}, evict_every {evict_every}: operations per step")
+    for label, (fn, tree) in loops.items():
+        fresh = common.fresh(tree)
+        per_call, origin = operation_times(fn, lambda: (graphdef, params, *fresh(), logits, start), 3, steps=steps)
+        leaves = leaf_times(per_call)
+        print(f"{label:7} {len(leaves):4d} operations, {sum(leaves.values()) / steps:9.1f} us per step in all")
+    print("the flsmem loop's costliest operations (us per step):")
+    for name, us in leaves.most_common(top):
+        print(f"{us / steps:9.1f}  {name:32s} {origin[name]}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=4096, help="items per row")
@@ -73,11 +116,16 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--policy", choices=tuple(POLICIES), default="h2o")
     parser.add_argument("--top", type=int, default=20, help="operations to print")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default=None,
+                        help="trace this model's serving loop against the plain loop instead")
+    parser.add_argument("--batch", type=int, default=1, help="with --model")
     common.add_timing_options(parser)
     args = parser.parse_args(argv)
-    if min(args.n, args.rows, args.evict_every, args.steps, args.top) < 1:
-        parser.error("--n, --rows, --evict-every, --steps and --top must be >= 1")
+    if min(args.n, args.rows, args.evict_every, args.steps, args.top, args.batch) < 1:
+        parser.error("--n, --rows, --evict-every, --steps, --top and --batch must be >= 1")
     common.set_timing(args)
+    if args.model is not None:
+        return trace_loops(args.model, args.batch, args.policy, args.evict_every, args.steps, args.top)
     memory = flsmem_memory(args.rows, args.n, args.evict_every, args.n, policy=POLICIES[args.policy]())
     # The attention bench.pyref times (its first size's draw): random, so no scores tie.
     attention = slot_attention(random_weights(np.random.default_rng(0), args.rows, args.n), memory.slots)

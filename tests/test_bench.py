@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import (adaptive_weights, common, kernel, overhead, prefill_chunk, profile, pyref, report, ruler_depth,
-                   ruler_surprise, step_trace)
+from bench import (adaptive_weights, common, compile_time, kernel, overhead, prefill_chunk, profile, pyref, report,
+                   ruler_depth, ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -97,6 +97,8 @@ def test_python_implementation_keeps_what_flsmem_keeps():
         (pyref, ["--sizes", "8"], "recent window"),
         (pyref, ["--rows", "0"], "--rows"),
         (kernel, ["--skip", "cuda"], "unknown"),
+        (compile_time, ["--rounds", "0"], "--rounds"),
+        (compile_time, ["--policies", "learned"], "unknown"),
     ],
 )
 def test_bad_command_lines_fail_with_a_message(module, argv, message, capsys):
@@ -121,11 +123,34 @@ def test_tiny_runs_and_report(results):
     assert "Not run yet: overhead-tiny, overhead" in text
 
 
+def test_compile_time_compiles_each_part_and_the_report_shows_it(results, capsys):
+    compile_time.main(["--policies", "window", "--rounds", "1"])
+    record = json.loads((results / "compile-time.json").read_text())
+    rows = {row["program"]: row for row in record["rows"]}
+    assert list(rows) == ["plain loop", "loop: window", "place (window)", "update_layers (window)",
+                          "observe (window)", "smooth (window)", "evict (window)"]
+    assert all(row["compile_s"] > 0 and row["lower_s"] > 0 and row["instructions"] > 0 for row in rows.values())
+    assert rows["plain loop"]["compile_ratio"] == 1.0
+    # The loop holds everything the plain loop does and the memory's bookkeeping besides.
+    assert rows["loop: window"]["instructions"] > rows["plain loop"]["instructions"]
+    assert rows["update_layers (window)"]["instructions"] > rows["smooth (window)"]["instructions"]
+    assert "## Compile time, part by part (tiny)" in report.build()
+
+
 def test_step_trace_names_the_operations_of_the_step(capsys):
     step_trace.main(["--n", "24", "--rows", "2", "--steps", "4", "--evict-every", "1", "--top", "5"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("h2o, N=24 rows=2 evict_every=1")
     assert 1 < len(lines) <= 6 and all(float(line.split()[0]) >= 0 for line in lines[1:])
+
+
+def test_step_trace_of_a_serving_loop_counts_each_loops_operations(capsys):
+    step_trace.main(["--model", "tiny", "--steps", "2", "--evict-every", "1", "--top", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("tiny, batch 1, h2o, budget 256, evict_every 1")
+    plain, flsmem = (int(line.split()[1]) for line in lines[1:3])
+    assert lines[1].startswith("plain") and lines[2].startswith("flsmem") and flsmem > plain > 0
+    assert len(lines) == 7 and all(float(line.split()[0]) >= 0 for line in lines[4:])
 
 
 def test_a_prefill_chunk_is_the_plain_forward_of_its_tokens():
@@ -221,3 +246,22 @@ def test_ruler_surprise_counts_the_tokens_the_model_mispredicts():
     # beyond the window are those of the first 34.
     assert got == pytest.approx({"context_missed": missed.mean(), "beyond": int(missed[:34].sum()),
                                  "scored_half": 11, "answer_missed": missed[3:10].mean()})
+
+
+def test_the_median_interval_is_the_order_statistics_with_95_percent_coverage():
+    # n = 9: P(x_(2) <= median <= x_(8)) = 1 - 2 (1 + 9) / 2**9 = 0.961; x_(3)..x_(7) covers 0.820.
+    assert common.median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2, 8)
+    # n = 15: x_(4)..x_(12) covers 1 - 2 (1 + 15 + 105 + 455) / 2**15 = 0.965.
+    assert common.median_interval(list(range(15, 0, -1))) == (4, 12)
+    # Under 6 rounds even the whole range covers less than 95%: it is all there is.
+    assert common.median_interval([3, 1, 2, 5, 4]) == (1, 5)
+
+
+@pytest.mark.parametrize("low, high, verdict", [(-0.01, 0.02, "holds"), (0.031, 0.2, "does not hold"),
+                                                (0.01, 0.04, "not resolved")])
+def test_an_overhead_goal_is_decided_by_the_interval_of_its_median(low, high, verdict):
+    row = {"overhead": (low + high) / 2, "overhead_low": -0.5, "overhead_high": 0.5,
+           "overhead_median_low": low, "overhead_median_high": high}
+    assert report.overhead_verdict(row, 0.03).startswith(verdict)
+    assert report.overhead_verdict({"overhead": 0.0, "overhead_low": 0.0, "overhead_high": 0.0}, 0.03).startswith(
+        "not decided")
