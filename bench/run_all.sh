@@ -22,6 +22,7 @@ $python -m bench.profile --batch 1,8 --cores 1
 $python -m bench.compile_time --cores 1
 $python -m bench.compile_time --model smollm2 --cores 1 --out compile-time-smollm2
 $python -m bench.step_trace --model tiny --policy rmm --evict-every 8 --cores 1 --top 30 > results/bench/step-trace-tiny.txt
+$python -m bench.step_trace --model tiny --policy learned --evict-every 8 --cores 1 --top 30 > results/bench/step-trace-tiny-learned.txt
 $python -m bench.longctx --batch 1,8
 $python -m bench.prefill_memory
 # One prefill chunk against the plain forward; how its "before" rows were made: bench/NOTES.md.
