@@ -62,12 +62,36 @@ def is_stacked(memory: MemoryState) -> bool:
     return memory.valid.ndim == 4
 
 
+def _shared(memories: MemoryState):
+    """Which entries of the policy state a memory's rows share (no batch axis, such as
+    the learned estimator's network): a pytree of bools shaped like ``memories.aux``,
+    or None when the policy keeps no state."""
+    specs = aux_axes(memories)
+    if specs is None:
+        return None
+    return jax.tree.map(lambda spec: "batch" not in spec, specs)
+
+
 def _fold_layers(memories: MemoryState):
-    """``(flat, unfold)``: the L layers of B sequences as one memory of L * B sequences
-    (row ``l * B + b`` is sequence b of layer l), and the inverse map for arrays."""
+    """``(flat, unfold, unfold_state)``: the L layers of B sequences as one memory of
+    L * B sequences (row ``l * B + b`` is sequence b of layer l), the inverse map for
+    arrays of rows, and the inverse for the memory.
+
+    An entry of the policy state that a memory's rows share keeps its leading layer
+    axis: the folded memory holds one such entry per group of B rows, entry l for the
+    rows of layer l, and the policy reads the groups from that axis."""
     depth, batch = memories.step.shape
+    merge = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
     unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731
-    return jax.tree.map(lambda x: x.reshape((depth * batch,) + x.shape[2:]), memories), unfold
+    shared = _shared(memories)
+
+    def each(fn, state):
+        folded = jax.tree.map(fn, state.replace(aux=None))
+        if state.aux is None:
+            return folded
+        return folded.replace(aux=jax.tree.map(lambda x, s: x if s else fn(x), state.aux, shared))
+
+    return each(merge, memories), unfold, lambda flat: each(unfold, flat)
 
 
 def place(
@@ -97,12 +121,12 @@ def place(
                       f"{memories.config.policy.name} reads it: let flsmem.attend place each layer")
     depth = memories.step.shape[0]
     t = jnp.shape(position)[-1]
-    flat, unfold = _fold_layers(memories)
+    flat, unfold, unfold_state = _fold_layers(memories)
     # The payload is read for its shapes only: nothing computed from these zeros is kept.
     items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
     flat, target = write_slots(flat, items, jnp.tile(jnp.asarray(position), (depth, 1)))
     seen = visible(flat, t)
-    placed = jax.tree.map(unfold, flat.replace(payload=None)).replace(payload=memories.payload)
+    placed = unfold_state(flat.replace(payload=None)).replace(payload=memories.payload)
     return placed, (unfold(target), unfold(seen))
 
 
@@ -129,7 +153,7 @@ def update_layers(
     memories = memories.replace(payload=None)
     one_query = jnp.ndim(attention) == 4 or (
         jnp.shape(attention)[3] == 1 and (correctness is None or jnp.ndim(correctness) == 2))
-    if one_query and _state_is_per_row(memories):
+    if one_query and _state_folds(memories):
         squeeze = jnp.ndim(attention) == 5
         at = (lambda x: None if x is None else x[:, :, :, 0]) if squeeze else (lambda x: x)  # noqa: E731
         if squeeze and correctness is not None:
@@ -137,8 +161,8 @@ def update_layers(
         memories = _update_one_query(memories, at(attention), correctness, at(future))
     else:
         if jnp.ndim(attention) == 4:
-            # A policy state shared by a layer's rows (the learned estimator's network)
-            # cannot be folded into rows: one query per layer, as a chunk of one.
+            # A policy state with its rows on another axis cannot be folded into rows:
+            # one query per layer, as a chunk of one.
             expand = lambda x: None if x is None else x[:, :, :, None]  # noqa: E731
             attention, future = expand(attention), expand(future)
             correctness = None if correctness is None else jnp.reshape(correctness, (-1, 1))
@@ -180,12 +204,13 @@ def _each_layer(step, memories, attention, correctness, future):
     return jax.lax.fori_loop(0, attention.shape[0], layer, memories)
 
 
-def _state_is_per_row(memories) -> bool:
-    """Whether every entry of the policy state has one row per sequence (axis 1 after
-    the layers), so the L layers of B sequences can be updated as L * B rows; a shared
-    entry (the learned estimator's network) cannot be folded."""
+def _state_folds(memories) -> bool:
+    """Whether the L layers of B sequences can be updated as L * B rows: every entry of
+    the policy state has one row per sequence (axis 1 after the layers) or is shared by
+    a memory's rows (no batch axis), and so becomes one entry per layer's group of
+    rows. An entry with its rows elsewhere cannot be folded."""
     specs = aux_axes(memories)
-    return specs is None or all(len(spec) and spec[0] == "batch" for spec in jax.tree.leaves(specs))
+    return specs is None or all(spec[:1] == ("batch",) or "batch" not in spec for spec in jax.tree.leaves(specs))
 
 
 def _update_one_query(memories, attention, correctness, future):
@@ -196,9 +221,9 @@ def _update_one_query(memories, attention, correctness, future):
     eviction (due in every layer at the same steps) instead of one per layer.
     """
     depth = memories.step.shape[0]
-    flat, unfold = _fold_layers(memories)
+    flat, _, unfold_state = _fold_layers(memories)
     fold = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
     if correctness is not None:
         correctness = jnp.tile(jnp.asarray(correctness), depth)  # row l * B + b is sequence b
     flat = update(flat, fold(attention), correctness, fold(future))
-    return jax.tree.map(unfold, flat)
+    return unfold_state(flat)

@@ -300,8 +300,8 @@ def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "he
     ``head_axis`` where they are, None elsewhere. Found by asking ``init_aux`` for a
     memory of another size and seeing which axes grow; an entry shared by every row
     (the learned estimator's parameters) grows on none. None when the policy keeps no
-    state. Sharding splits the state by it; the decoder folds layers into rows only
-    when every entry is per row."""
+    state. Sharding splits the state by it; :func:`flsmem.update_layers` folds layers
+    into rows when every entry has its rows first or is shared."""
     if not isinstance(state, MemoryState):
         raise TypeError(f"state must be a MemoryState (from flsmem.init), got {type(state).__name__}")
     if state.aux is None:

@@ -1,5 +1,7 @@
 """The learned importance estimator: online learning, fallbacks, checkpoints, compiles."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -362,7 +364,7 @@ def _peak(table, seen, first, last, items):
 
 def _errors(aux_before, snapshot, slots, labels):
     """The squared errors of the step's predictions for these slots of the snapshot."""
-    prediction = E.predict(aux_before["params"], aux_before["snap_features"][snapshot, 0, 0, slots])
+    prediction = E.predict(aux_before["params"], aux_before["snap_features"][0, snapshot, 0, slots])
     return (np.asarray(prediction) - labels) ** 2
 
 
@@ -371,17 +373,17 @@ def test_snapshots_in_flight_are_labelled_a_horizon_after_they_were_taken():
     # steps 1, 3, 5, 7), snapshot (step + 1) // 2 % 2 due, each labelled 4 queries later.
     table, states, seen = _hand_stream(E.learned(horizon=4, snapshots=2, learning_rate=1e-2))
     aux = [jax.tree.map(np.asarray, s.aux) for s in states]
-    assert aux[0]["snap_birth"].shape == (2,) + states[0].valid.shape
-    births = lambda t, m: list(aux[t]["snap_birth"][m, 0, 0, :HAND])  # noqa: E731
+    assert aux[0]["snap_birth"].shape == (1, 2) + states[0].valid.shape[1:]  # [B, M, K, S]
+    births = lambda t, m: list(aux[t]["snap_birth"][0, m, 0, :HAND])  # noqa: E731
     # Step 1 takes snapshot 1 (items 0, 1); step 3 snapshot 0 (items 0..3); nothing to label.
     assert births(1, 1) == [0, 1] + [-1] * (HAND - 2) and births(1, 0) == [-1] * HAND
     assert births(3, 0) == [0, 1, 2, 3] + [-1] * (HAND - 4)
     assert int(aux[4]["labels"]) == 0 and int(aux[4]["updates"]) == 0
     # Both gather every query: snapshot 1 saw queries 2..4 (with item 0's peak at 2), 0 saw 4.
-    np.testing.assert_allclose(np.log1p(aux[4]["gathered"][1, 0, 0, :2]), _peak(table, seen, 2, 4, [0, 1]), rtol=1e-6)
+    np.testing.assert_allclose(np.log1p(aux[4]["gathered"][0, 1, 0, :2]), _peak(table, seen, 2, 4, [0, 1]), rtol=1e-6)
     np.testing.assert_allclose(np.log1p(aux[4]["gathered"][0, 0, 0, :4]), _peak(table, seen, 4, 4, [0, 1, 2, 3]),
                                rtol=1e-6)
-    assert aux[4]["gathered"][1, 0, 0, 0] == pytest.approx(0.9 * 3)
+    assert aux[4]["gathered"][0, 1, 0, 0] == pytest.approx(0.9 * 3)
     # Step 5 labels snapshot 1 (items 0, 1 over queries 2..5) and takes it again.
     assert int(aux[5]["labels"]) == 2 and int(aux[5]["updates"]) == 1
     errors = _errors(aux[4], 1, [0, 1], _peak(table, seen, 2, 5, [0, 1]))
@@ -444,8 +446,63 @@ def test_snapshots_split_with_the_rows_when_sharded():
     config = flsmem.MemoryConfig(E.learned(horizon=4, snapshots=2, hidden=8), budget=6, evict_every=2)
     state = flsmem.init(config, 3, 2, {"k": (testing.HEAD_DIM,)})
     specs = sharding.partition_specs(state).aux
-    assert specs["snap_features"] == jax.sharding.PartitionSpec(None, "batch", "heads", None, None)
-    assert specs["snap_queries"] == jax.sharding.PartitionSpec(None, "batch")
+    assert specs["snap_features"] == jax.sharding.PartitionSpec("batch", None, "heads", None, None)
+    assert specs["snap_queries"] == jax.sharding.PartitionSpec("batch", None)
+
+
+@pytest.mark.parametrize("snapshots", [1, 2])
+def test_stacked_layers_fold_into_rows_and_each_keeps_its_own_network(snapshots):
+    """update_layers runs the layers' memories as rows of one memory, each layer's
+    network learning from its own rows only: every layer ends as the same stream run
+    through a memory of its own, with flsmem.update, would (kept items, scores, and
+    each network's parameters and counters)."""
+    depth, batch, heads, steps = 2, 2, 2, 24
+    policy = E.learned(horizon=4, snapshots=snapshots, hidden=8, prior="h2o", learning_rate=1e-2)
+    config = flsmem.MemoryConfig(policy, budget=6, evict_every=2)
+    key = jax.random.key(3)
+    items = jax.random.normal(key, (depth, batch, heads, steps, testing.HEAD_DIM))
+    interest = jax.random.normal(jax.random.fold_in(key, 1), (depth, batch, heads, steps)) * 3
+    correctness = jax.random.uniform(jax.random.fold_in(key, 2), (batch, steps))
+
+    def write(memory, layer, t):
+        item = jax.lax.dynamic_slice_in_dim(items[layer], t, 1, axis=2)
+        return flsmem.write(memory, {"k": item, "v": item}, jnp.full((batch, 1), t, jnp.int32))
+
+    def attention(memory, layer):
+        logits = jnp.take_along_axis(interest[layer], jnp.maximum(memory.position, 0), axis=-1)
+        return jax.nn.softmax(jnp.where(memory.valid, logits, -jnp.inf), axis=-1)
+
+    @jax.jit
+    def stacked_step(stacked, t):
+        one = lambda layer: jax.tree.map(lambda x: x[layer], stacked)  # noqa: E731
+        stacked = jax.tree.map(lambda *x: jnp.stack(x), *[write(one(layer), layer, t) for layer in range(depth)])
+        one = lambda layer: jax.tree.map(lambda x: x[layer], stacked)  # noqa: E731
+        return flsmem.update_layers(stacked, jnp.stack([attention(one(layer), layer) for layer in range(depth)]),
+                                    correctness[:, t])
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def own_step(memory, layer, t):
+        memory = write(memory, layer, t)
+        return flsmem.update(memory, attention(memory, layer), correctness[:, t])
+
+    stacked = flsmem.init_kv(config, batch, heads, testing.HEAD_DIM, layers=depth)
+    assert flsmem.layers._state_folds(stacked)
+    own = [flsmem.init_kv(config, batch, heads, testing.HEAD_DIM) for _ in range(depth)]
+    for t in range(steps):
+        stacked = stacked_step(stacked, t)
+        own = [own_step(memory, layer, t) for layer, memory in enumerate(own)]
+    assert int(flsmem.summary(own[0])["evictions"].sum()) > 0
+    for layer, memory in enumerate(own):
+        folded = jax.tree.map(lambda x: x[layer], stacked)
+        held = lambda m: np.sort(np.where(m.valid, m.position, -1), axis=-1)  # noqa: E731
+        np.testing.assert_array_equal(held(folded), held(memory))
+        np.testing.assert_allclose(np.where(folded.valid, folded.score, 0), np.where(memory.valid, memory.score, 0),
+                                   rtol=1e-5, atol=1e-5)
+        assert int(folded.aux["updates"]) == int(memory.aux["updates"]) > 0
+        for a, b in zip(jax.tree.leaves(folded.aux["params"]), jax.tree.leaves(memory.aux["params"])):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # The layers saw different streams: their networks learnt different things.
+    assert not np.allclose(stacked.aux["params"]["inner"]["kernel"][0], stacked.aux["params"]["inner"]["kernel"][1])
 
 
 def test_from_checkpoint_reads_snapshots_and_defaults_to_one(tmp_path):

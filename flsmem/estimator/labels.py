@@ -39,9 +39,10 @@ from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["carry_over", "flush"]
 
-# The per-row state of the snapshots in flight, each with a leading [M] axis when M > 1.
+# The per-row state of the snapshots in flight, each with an [M] axis after the rows
+# when M > 1.
 _SNAPSHOT = ("snap_features", "gathered", "snap_birth", "snap_queries")
-# What an optimizer step changes.
+# What an optimizer step changes: shared by a memory's rows.
 _LEARNED = ("params", "opt", "loss", "labels", "updates", "skipped")
 # What the features read of the state besides the evidence: what each head reads.
 _HEAD = ("head_queries", "head_right", "head_far", "head_far_right")
@@ -53,18 +54,37 @@ def optimizer(policy: Policy) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(policy.params.learning_rate))
 
 
+def groups(aux: PyTree) -> int | None:
+    """How many networks the state holds: None for a memory's own (or a stack of
+    them, one per layer); G when the layers of stacked memories are folded into rows
+    (:func:`flsmem.update_layers`), network l serving rows ``l * B`` to ``l * B + B - 1``."""
+    # A memory's own rows have one axis more than what they share (the loss is a
+    # scalar, the rows' weights [B]); folded layers give both the same leading axis.
+    grouped = jnp.ndim(aux["loss"]) == jnp.ndim(aux["last_weight"])
+    return jnp.shape(aux["loss"])[0] if grouped else None
+
+
+def per_group(fn, g: int | None, shared: PyTree, *rows: Array):
+    """``fn(shared, *rows)``, or with ``g`` groups, ``fn`` of each network in
+    ``shared`` (leading axis [G]) and its group of rows (``rows`` ``[G * B, ...]``), its
+    outputs stacked on a leading [G] axis."""
+    if g is None:
+        return fn(shared, *rows)
+    return jax.vmap(fn)(shared, *(x.reshape((g, -1) + x.shape[1:]) for x in rows))
+
+
 def _in_flight(policy, aux) -> dict:
-    """The snapshot entries of ``aux``, each with its leading [M] axis."""
+    """The snapshot entries of ``aux``, each with its [M] axis after the rows."""
     if policy.params.snapshots > 1:
         return {name: aux[name] for name in _SNAPSHOT}
-    return {name: aux[name][None] for name in _SNAPSHOT}
+    return {name: aux[name][:, None] for name in _SNAPSHOT}
 
 
 def _stored(policy, snapshots: dict) -> dict:
     """The inverse of :func:`_in_flight`: the entries as ``aux`` holds them."""
     if policy.params.snapshots > 1:
         return snapshots
-    return {name: x[0] for name, x in snapshots.items()}
+    return {name: x[:, 0] for name, x in snapshots.items()}
 
 
 def gather(policy: Policy, view: SlotView, evidence: Float[Array, "B K S E"], shown: Float[Array, "B K S"],
@@ -73,32 +93,33 @@ def gather(policy: Policy, view: SlotView, evidence: Float[Array, "B K S E"], sh
     (``shown``): its label to be. At a row's snapshot step, the snapshot due is
     labelled and learnt from, then taken again."""
     snaps = _in_flight(policy, aux)
-    shown = shown[None]
-    present = view.present[None]
+    shown = shown[:, None]
+    present = view.present[:, None]
     gathered = snaps["gathered"]
     gathered = jnp.maximum(gathered, shown) if policy.params.label == "peak" else gathered + shown
     snaps["gathered"] = jnp.where(present, gathered, snaps["gathered"])
     # A slot that loses its item never holds it again (a later item has a later birth),
     # so the snapshot forgets it now: the aux alone then tells which slots to label,
     # as the flush at a stream's end needs.
-    kept = present & (snaps["snap_birth"] == view.birth[None])
+    kept = present & (snaps["snap_birth"] == view.birth[:, None])
     snaps["snap_birth"] = jnp.where(kept, snaps["snap_birth"], -1)
     snaps["snap_queries"] = snaps["snap_queries"] + 1
     # Every query is folded into every row of a memory, so its rows share their step and
     # the snapshot due: a dynamic slice of the M in flight. Only that slice passes through
     # the branch; XLA gives a branch's outputs buffers of their own, and the whole
-    # [M, B, K, S, F] passed through would be copied at every step.
+    # [B, M, K, S, F] passed through would be copied at every step.
     m = policy.params.snapshots
     period = policy.params.horizon // m
     # A static index for one snapshot: XLA then slices it in place, without a copy.
     index = (view.step[0] + 1) // period % m if m > 1 else 0
     due = (view.step + 1) % period == 0
-    slice_due = {name: lax.dynamic_index_in_dim(x, index, keepdims=False) for name, x in snaps.items()}
+    slice_due = {name: lax.dynamic_index_in_dim(x, index, axis=1, keepdims=False) for name, x in snaps.items()}
     learned = {name: aux[name] for name in _LEARNED}
     head = {name: aux[name] for name in _HEAD}
-    learned, slice_due = lax.cond(jnp.any(due), functools.partial(_learn, policy, view, evidence, due, head),
-                                  lambda learned, slice_due: (learned, slice_due), learned, slice_due)
-    snaps = {name: lax.dynamic_update_index_in_dim(x, slice_due[name], index, 0) for name, x in snaps.items()}
+    learn = functools.partial(_learn, policy, view, evidence, due, head, groups(aux))
+    learned, slice_due = lax.cond(jnp.any(due), learn, lambda learned, slice_due: (learned, slice_due),
+                                  learned, slice_due)
+    snaps = {name: lax.dynamic_update_index_in_dim(x, slice_due[name], index, 1) for name, x in snaps.items()}
     return dict(aux, **learned, **_stored(policy, snaps))
 
 
@@ -125,11 +146,17 @@ def _whole(x: Array) -> Array:
     return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
 
-def _fit(policy, aux, snapshot, gathered, held):
-    """One optimizer step on the error of the predictions for the ``snapshot``
-    features ``[..., S, F]`` against the labels from ``gathered`` ``[..., S]``, over the
-    ``held`` slots (every leading axis pooled); a non-finite step is skipped and
-    counted, and a step with no slot to label is not taken."""
+def _fit(policy, learned, snapshot, gathered, held, g):
+    """One optimizer step of each network in ``learned`` (the :data:`_LEARNED`
+    entries) on the error of its predictions for the ``snapshot`` features
+    ``[R, ..., S, F]`` against the labels from ``gathered`` ``[R, ..., S]``, over the
+    ``held`` slots of its rows (every axis but the features pooled), with ``g`` groups
+    of rows as :func:`groups` gives them; a non-finite step is skipped and counted, and
+    a step with no slot to label is not taken."""
+    return per_group(functools.partial(_fit_one, policy), g, learned, snapshot, gathered, held)
+
+
+def _fit_one(policy, learned, snapshot, gathered, held):
     held = _whole(held)
     label = _whole(jnp.log1p(jnp.maximum(gathered, 0.0)))
     snapshot = _whole(snapshot)
@@ -142,24 +169,23 @@ def _fit(policy, aux, snapshot, gathered, held):
             return jnp.sum(error * error) / jnp.maximum(count, 1).astype(jnp.float32)
         return _ranking_loss(prediction, label, held)
 
-    loss, grads = jax.value_and_grad(loss_fn)(aux["params"])
+    loss, grads = jax.value_and_grad(loss_fn)(learned["params"])
     finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    updates, opt = optimizer(policy).update(grads, aux["opt"], aux["params"])
-    params = optax.apply_updates(aux["params"], updates)
+    updates, opt = optimizer(policy).update(grads, learned["opt"], learned["params"])
+    params = optax.apply_updates(learned["params"], updates)
     take = finite & (count > 0)
     keep = functools.partial(jax.tree.map, lambda new, old: jnp.where(take, new, old))
     return dict(
-        aux,
-        params=keep(params, aux["params"]),
-        opt=keep(opt, aux["opt"]),
-        loss=jnp.where(take, loss, aux["loss"]),
-        labels=aux["labels"] + jnp.where(take, count, 0).astype(jnp.int32),
-        updates=aux["updates"] + take.astype(jnp.int32),
-        skipped=aux["skipped"] + ((count > 0) & ~finite).astype(jnp.int32),
+        params=keep(params, learned["params"]),
+        opt=keep(opt, learned["opt"]),
+        loss=jnp.where(take, loss, learned["loss"]),
+        labels=learned["labels"] + jnp.where(take, count, 0).astype(jnp.int32),
+        updates=learned["updates"] + take.astype(jnp.int32),
+        skipped=learned["skipped"] + ((count > 0) & ~finite).astype(jnp.int32),
     )
 
 
-def _learn(policy, view: SlotView, evidence, due, head, learned, snapshot):
+def _learn(policy, view: SlotView, evidence, due, head, g, learned, snapshot):
     """At a row's snapshot step: label the slots of the ``snapshot`` due (taken
     ``horizon`` queries ago) that still hold their item, take one optimizer step on
     them, then take that snapshot again from the slots held now. Returns the
@@ -168,7 +194,7 @@ def _learn(policy, view: SlotView, evidence, due, head, learned, snapshot):
     # the view: XLA fuses the loss, and so rounds it, by how the mask is built, and the
     # results recorded with one snapshot in flight were computed with this form.
     held = due[:, None, None] & view.present & (snapshot["snap_birth"] == view.birth)
-    learned = _fit(policy, learned, snapshot["snap_features"], snapshot["gathered"], held)
+    learned = _fit(policy, learned, snapshot["snap_features"], snapshot["gathered"], held, g)
     slots = due[:, None, None]
     now = features(evidence, view.age, view.step + 1, view.position, head)
     snapshot = dict(
@@ -228,7 +254,7 @@ def flush(policy: Policy, aux: PyTree, layers_axis: bool = True) -> PyTree:
     validate.boolean("layers_axis", layers_axis)
     missing = [name for name in ("params", "opt", *_SNAPSHOT) if not isinstance(aux, dict) or name not in aux]
     validate.require(not missing, f"aux must be the learned policy's state (memory.aux), missing {missing}")
-    # snap_features is [L?, M?, B, K, S, F]: the axes say which policy and layout made it.
+    # snap_features is [L?, B, M?, K, S, F]: the axes say which policy and layout made it.
     expected = 4 + (policy.params.snapshots > 1) + layers_axis
     got = jnp.shape(aux["snap_features"])
     validate.require(len(got) == expected and got[-1] == len(FEATURES),
@@ -243,7 +269,8 @@ def _flush(policy, aux, layers_axis):
     def one(aux):
         snaps = _in_flight(policy, aux)
         held = (snaps["snap_birth"] >= 0) & (snaps["snap_queries"] > 0)[..., None, None]
-        aux = _fit(policy, aux, snaps["snap_features"], snaps["gathered"], held)
+        aux = dict(aux, **_fit(policy, {name: aux[name] for name in _LEARNED}, snaps["snap_features"],
+                               snaps["gathered"], held, None))
         empty = dict(snap_features=jnp.zeros_like(aux["snap_features"]), gathered=jnp.zeros_like(aux["gathered"]),
                      snap_birth=jnp.full_like(aux["snap_birth"], -1), snap_queries=jnp.zeros_like(aux["snap_queries"]))
         return dict(aux, **empty)

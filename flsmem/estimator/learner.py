@@ -17,7 +17,7 @@ import numpy as np
 
 from flsmem import validate
 from flsmem.estimator.evidence import FEATURES, NUM_EVIDENCE, features, fold_evidence, init_evidence, score_rmm
-from flsmem.estimator.labels import gather, optimizer
+from flsmem.estimator.labels import gather, groups, optimizer, per_group
 from flsmem.estimator.network import PRIORS, Weights, hidden_of, init_params, param_shapes, predict
 from flsmem.policies import Observation, Params, Policy, SlotView
 from flsmem.typing import PyTree
@@ -110,9 +110,10 @@ def _init_aux(policy, batch, kv_heads, slots):
         else jax.tree.map(jnp.asarray, weights.params)
     )
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-    # One snapshot in flight has no [M] axis (see labels._in_flight).
+    # One snapshot in flight has no [M] axis (see labels._in_flight); the rows come
+    # first, so that stacked layers fold into rows (flsmem.update_layers).
     m = policy.params.snapshots
-    rows = ((m,) if m > 1 else ()) + (batch, kv_heads, slots)
+    rows = (batch,) + ((m,) if m > 1 else ()) + (kv_heads, slots)
     return {
         "params": params,
         "opt": optimizer(policy).init(params),
@@ -146,14 +147,17 @@ def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
 
 
 def _score(policy, view: SlotView, aux):
-    return predict(aux["params"], features(view.evidence, view.age, view.step, view.position, aux))
+    x = features(view.evidence, view.age, view.step, view.position, aux)
+    return per_group(predict, groups(aux), aux["params"], x).reshape(x.shape[:-1])
 
 
 def _monitor(policy, aux):
-    batch = aux["last_weight"].shape[-1]
+    rows = aux["last_weight"].shape[-1]
 
     def per_row(x):
-        return jnp.broadcast_to(x[..., None], x.shape + (batch,))
+        if groups(aux):  # one figure per network, repeated over the rows it serves
+            return jnp.repeat(x, rows // x.shape[-1])
+        return jnp.broadcast_to(x[..., None], x.shape + (rows,))
 
     return {
         "estimator_loss": per_row(aux["loss"]),

@@ -141,8 +141,13 @@ class Policy:
         evidence of newly written items (payload leaves ``[B, K, Q, ...]``); None
         starts from zeros.
       init_aux: ``init_aux(policy, batch, kv_heads, slots) -> pytree`` the policy's own
-        state: per-row arrays (the adaptive filter's noise estimates) or shared ones (the
-        learned estimator's parameters); None for no state.
+        state: per-row arrays with the rows first (the adaptive filter's noise
+        estimates) or arrays the rows share, with no batch axis (the learned
+        estimator's parameters); None for no state. When the layers of stacked memories
+        are updated as rows of one memory (:func:`flsmem.update_layers`), a shared
+        array comes with a leading axis of one entry per layer, entry l for rows
+        ``l * B`` to ``l * B + B - 1``, and the policy's functions serve each group of
+        rows with its own entry.
       fallback_score: ``fallback_score(policy, view, aux) -> [B, K, S]`` used for a whole
         row when ``score`` is not finite for one of its present slots (a learned score
         falls back to demonstrated utility); None ranks such slots by recency below
