@@ -58,8 +58,9 @@ def test_per_token_decode_matches_chunked_prefill():
 
 
 def test_per_token_decode_with_a_shared_policy_state():
-    # The learned estimator's network is shared by a layer's rows, so per-token decode
-    # cannot fold layers into rows; it updates layer by layer and matches the chunks.
+    # The learned estimator's network is shared by a layer's rows: per-token decode folds
+    # the layers into rows, each layer's network serving its own; chunks update layer by
+    # layer. Both give the same logits.
     from flsmem import estimator
 
     policy = estimator.learned(horizon=8, snapshots=2, hidden=4, learning_rate=1e-2).replace(recent=4)

@@ -1,7 +1,5 @@
 """The learned importance estimator: online learning, fallbacks, checkpoints, compiles."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -450,14 +448,13 @@ def test_snapshots_split_with_the_rows_when_sharded():
     assert specs["snap_queries"] == jax.sharding.PartitionSpec("batch", None)
 
 
-@pytest.mark.parametrize("snapshots", [1, 2])
-def test_stacked_layers_fold_into_rows_and_each_keeps_its_own_network(snapshots):
+def test_stacked_layers_fold_into_rows_and_each_keeps_its_own_network():
     """update_layers runs the layers' memories as rows of one memory, each layer's
     network learning from its own rows only: every layer ends as the same stream run
     through a memory of its own, with flsmem.update, would (kept items, scores, and
     each network's parameters and counters)."""
-    depth, batch, heads, steps = 2, 2, 2, 24
-    policy = E.learned(horizon=4, snapshots=snapshots, hidden=8, prior="h2o", learning_rate=1e-2)
+    depth, batch, heads, steps = 2, 2, 2, 20
+    policy = E.learned(horizon=4, snapshots=2, hidden=8, prior="h2o", learning_rate=1e-2)
     config = flsmem.MemoryConfig(policy, budget=6, evict_every=2)
     key = jax.random.key(3)
     items = jax.random.normal(key, (depth, batch, heads, steps, testing.HEAD_DIM))
@@ -474,13 +471,10 @@ def test_stacked_layers_fold_into_rows_and_each_keeps_its_own_network(snapshots)
 
     @jax.jit
     def stacked_step(stacked, t):
-        one = lambda layer: jax.tree.map(lambda x: x[layer], stacked)  # noqa: E731
-        stacked = jax.tree.map(lambda *x: jnp.stack(x), *[write(one(layer), layer, t) for layer in range(depth)])
-        one = lambda layer: jax.tree.map(lambda x: x[layer], stacked)  # noqa: E731
-        return flsmem.update_layers(stacked, jnp.stack([attention(one(layer), layer) for layer in range(depth)]),
-                                    correctness[:, t])
+        stacked = jax.vmap(write, in_axes=(0, 0, None))(stacked, jnp.arange(depth), t)
+        return flsmem.update_layers(stacked, jax.vmap(attention)(stacked, jnp.arange(depth)), correctness[:, t])
 
-    @functools.partial(jax.jit, static_argnums=1)
+    @jax.jit
     def own_step(memory, layer, t):
         memory = write(memory, layer, t)
         return flsmem.update(memory, attention(memory, layer), correctness[:, t])
