@@ -35,7 +35,8 @@ B, K, G, D, T = 8, 4, 2, 8, 24  # batch, KV heads, query heads per KV head, head
 def test_eight_simulated_devices():
     if os.environ.get(CHILD):
         pytest.skip("this is the child process")
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", **{CHILD: "1"})
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"
+    env = dict(os.environ, XLA_FLAGS=flags, **{CHILD: "1"})
     env.pop("PYTEST_ADDOPTS", None)
     root = Path(__file__).resolve().parent.parent
     child = subprocess.run(
