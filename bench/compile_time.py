@@ -36,7 +36,7 @@ import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from bench.overhead import BUDGET
-from flsmem import policies
+from flsmem import layers, policies
 
 POLICIES = {
     "full": lambda: policies.make("full"),
@@ -88,10 +88,11 @@ def compile_cost(fn, args: tuple, rounds: int, **static) -> dict[str, float]:
 
 
 def _folded(memories: flsmem.MemoryState) -> flsmem.MemoryState:
-    """Stacked memories ``[L, B, ...]`` as one memory of ``L * B`` rows, as
-    ``flsmem.update_layers`` runs a step (the payload left out, as it leaves it)."""
-    memories = memories.replace(payload=None)
-    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), memories)
+    """Stacked memories ``[L, B, ...]`` as the one memory of ``L * B`` rows that
+    ``flsmem.update_layers`` runs a step on (the payload left out, as it leaves it). The
+    library's own fold, so that a policy state the rows share keeps its layer axis."""
+    flat, _, _ = layers._fold_layers(memories.replace(payload=None))
+    return flat
 
 
 def measure(args) -> list[dict]:
