@@ -312,10 +312,30 @@ def compile_time_section(record) -> list[str]:
     return lines + command_block(record)
 
 
+def learned_flops_section(record) -> list[str]:
+    lines = ["## The learned estimator's arithmetic against the model's", "",
+             "Per decode step at batch 1, the shipped estimator at the overhead tables' budgets: the model's "
+             "floating-point operations (two per weight of its matrices, the attention's two products over the "
+             "slots), and XLA's cost analysis of the network's forward over every slot of every layer and KV "
+             "head (taken when an eviction is due, every `evict_every` queries) and of one learning step over "
+             "them (every `horizon / snapshots` queries online), each as a share of the model's step "
+             "(see `bench/learned_flops.py`). The shares are the part of the learned rows' overhead that no "
+             "fusion removes.", "",
+             "| model | evict_every | model's step MFLOP | slots scored | forward MFLOP | learning step MFLOP | "
+             "scoring share | learning share (online) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in record["rows"]:
+        lines.append(f"| {row['model']} | {row['evict_every']} | {row['model_flops'] / 1e6:.1f} | "
+                     f"{row['network_slots']:,} | {row['forward_flops'] / 1e6:.1f} | {row['learn_flops'] / 1e6:.1f} | "
+                     f"{100 * row['scoring_share']:.1f}% | {100 * row['learning_share']:.1f}% (every "
+                     f"{row['learn_period']}) |")
+    return lines + command_block(record)
+
+
 def build() -> str:
     records = {name: load(name) for name in
                ("overhead-tiny", "overhead", "overhead-quick", "overhead-quick-all-cores", "overhead-learned",
-                "overhead-adakv", "profile", "longctx", "prefill-memory", "prefill-chunk", "prefill-chunk-before",
+                "learned-flops", "overhead-adakv", "profile", "longctx", "prefill-memory", "prefill-chunk", "prefill-chunk-before",
                 "pyref", "kernel", "compile-time", "compile-time-smollm2")}
     any_record = next((r for r in records.values() if r), None)
     lines = ["# Benchmarks (issues 7 and 21)", "",
@@ -343,6 +363,8 @@ def build() -> str:
     if records["overhead-learned"]:
         # The goals are the heuristics'; the learned estimator's cost is reported beside rmm's.
         sections += overhead_section(records["overhead-learned"], title="learned estimator")[0]
+    if records["learned-flops"]:
+        sections += learned_flops_section(records["learned-flops"])
     if records["overhead-adakv"]:
         # Budgets shared by KV heads against the same policies with uniform budgets, in one run.
         sections += overhead_section(records["overhead-adakv"], title="head-adaptive budgets")[0]

@@ -14,7 +14,9 @@ $python -m bench.overhead --models smollm2 --batch 1,8 --policies rmm,h2o,ema,ka
 $python -m bench.overhead --quick
 $python -m bench.overhead --quick --cores all --out overhead-quick-all-cores
 # The learned estimator (its network and online learning) beside rmm in the same run.
-$python -m bench.overhead --models tiny,smollm2 --batch 1 --policies learned,learned_offline,rmm --evict-every 8 --rounds 15 --cores 1 --out overhead-learned
+$python -m bench.overhead --models tiny,smollm2 --batch 1 --policies learned,learned_offline,rmm --evict-every 8 --rounds 41 --cores 1 --out overhead-learned
+# Its network's arithmetic against the model's: the floor under those rows.
+$python -m bench.learned_flops
 # Budgets shared by KV heads (AdaKV) beside the same policies with uniform budgets.
 $python -m bench.overhead --models smollm2 --batch 1,8 --policies 'rmm,adakv(rmm),h2o,adakv(h2o)' --evict-every 8 --rounds 9 --cores 1 --out overhead-adakv
 $python -m bench.profile --batch 1,8 --cores 1

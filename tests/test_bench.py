@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import (adaptive_weights, common, compile_time, kernel, overhead, prefill_chunk, profile, pyref, report,
-                   ruler_depth, ruler_surprise, step_trace)
+from bench import (adaptive_weights, common, compile_time, kernel, learned_flops, overhead, prefill_chunk, profile,
+                   pyref, report, ruler_depth, ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -135,6 +135,25 @@ def test_compile_time_compiles_each_part_and_the_report_shows_it(results, capsys
     assert rows["loop: window"]["instructions"] > rows["plain loop"]["instructions"]
     assert rows["update_layers (window)"]["instructions"] > rows["smooth (window)"]["instructions"]
     assert "## Compile time, part by part (tiny)" in report.build()
+
+
+def test_learned_flops_counts_the_model_and_the_network_by_hand(results, capsys):
+    learned_flops.main(["--models", "tiny", "--evict-every", "8"])
+    (row,) = json.loads((results / "learned-flops.json").read_text())["rows"]
+    # The tiny decoder: 4 layers of q, o (128 x 128), k, v (128 x 64) and three MLP
+    # matrices (128 x 384), the tied 256 x 128 table as the output; the attention's two
+    # products per query head (4 heads of 32) over 256 + 8 slots.
+    weights = 4 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 384) + 256 * 128
+    assert row["model_flops"] == 2 * weights + 4 * 4 * 264 * 32 * 2 * 2
+    # The network over 4 layers x 2 KV heads x 264 slots: 19 features to 1 and to 32,
+    # 32 to 32, 32 to 1; XLA adds the biases and activations to the products.
+    slots = 4 * 2 * 264
+    products = 2 * slots * (19 + 19 * 32 + 32 * 32 + 32)
+    assert row["network_slots"] == slots and products <= row["forward_flops"] <= 1.5 * products
+    assert row["learn_flops"] > 2 * row["forward_flops"]  # a forward, its gradient and the update
+    assert row["scoring_share"] == pytest.approx(row["forward_flops"] / 8 / row["model_flops"])
+    assert row["learning_share"] == pytest.approx(row["learn_flops"] / row["learn_period"] / row["model_flops"])
+    assert "tiny" in capsys.readouterr().out
 
 
 def test_step_trace_names_the_operations_of_the_step(capsys):
