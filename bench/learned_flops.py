@@ -84,8 +84,9 @@ def measure(name: str, evict_every: list[int]) -> list[dict]:
     for ee in evict_every:
         slots = BUDGET[name] + ee
         step = model_flops(model, slots)
-        forward, learn = network_flops(policy, cfg.depth * cfg.kv_heads * slots)
-        rows.append({"model": name, "evict_every": ee, "slots": slots, "network_slots": cfg.depth * cfg.kv_heads * slots,
+        scored = cfg.depth * cfg.kv_heads * slots
+        forward, learn = network_flops(policy, scored)
+        rows.append({"model": name, "evict_every": ee, "slots": slots, "network_slots": scored,
                      "hidden": policy.params.hidden, "learn_period": period, "model_flops": step,
                      "forward_flops": forward, "learn_flops": learn,
                      "scoring_share": forward / ee / step, "learning_share": learn / period / step})
