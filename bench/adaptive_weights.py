@@ -7,6 +7,7 @@ each expert's weight at the end of the window, averaged over windows and KV head
 every layer; the plot shows the same as one panel per budget.
 
     python -m bench.adaptive_weights --model smollm2-135m --out results/adaptive/weights-smollm2
+    python -m bench.adaptive_weights --policy "adaptive(judge='evicted')" --out results/adaptive/evicted/weights-smollm2
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import pathlib
 import jax
 import numpy as np
 
-from flsmem.harness.evaluate import evaluate_nll, make_policy
+from flsmem.harness.evaluate import evaluate_nll, make_policy, split_settings
 from flsmem.harness.report import eval_windows
 from flsmem.models import catalog
 from flsmem.policies.adaptive import expert_names
 
 
-def layer_weights(model, windows: np.ndarray, budget: int, chunk: int) -> tuple[tuple[str, ...], np.ndarray, float]:
+def layer_weights(model, windows: np.ndarray, budget: int, chunk: int,
+                  name: str = "adaptive") -> tuple[tuple[str, ...], np.ndarray, float]:
     """``(experts, weights [L, N], nll)``: each expert's final weight per layer (mean over
-    windows and KV heads) and the mean NLL of the run."""
-    policy = make_policy("adaptive", budget, model=model.cfg)
+    windows and KV heads) and the mean NLL of the run, under the adaptive policy ``name``
+    (``adaptive`` or with settings, ``adaptive(judge='evicted')``)."""
+    policy = make_policy(name, budget, model=model.cfg)
     nll, stats = evaluate_nll(model, windows, policy, budget, chunk=chunk)
     n = len(policy.params.decays)
     losses = np.asarray(stats["aux"])[..., :n]  # [L, W, K, N]
@@ -43,15 +46,23 @@ def main(argv=None):
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--budgets", default="64,128,256", help="comma-separated item counts")
     parser.add_argument("--evict-every", type=int, default=16)
+    parser.add_argument("--policy", default="adaptive",
+                        help="adaptive, or adaptive with settings, as in adaptive(judge='evicted')")
     parser.add_argument("--out", required=True, help="path stem: writes STEM.json and STEM.png")
     args = parser.parse_args(argv)
+    try:
+        base, _ = split_settings(args.policy)
+    except ValueError as error:
+        parser.error(str(error))
+    if base != "adaptive":
+        parser.error(f"--policy must be adaptive, or adaptive with settings, got {args.policy!r}")
     model, tokenizer = catalog.load(args.model)
     windows = eval_windows(args, tokenizer)
     runs = {}
     for budget in (int(b) for b in args.budgets.split(",")):
-        experts, weights, nll = layer_weights(model, windows, budget, args.evict_every)
+        experts, weights, nll = layer_weights(model, windows, budget, args.evict_every, args.policy)
         runs[budget] = {"experts": experts, "weights": weights.tolist(), "nll": nll}
-        print(f"adaptive at {budget} of {args.context} (nll {nll:.4f}): final weight of each expert per layer")
+        print(f"{args.policy} at {budget} of {args.context} (nll {nll:.4f}): final weight of each expert per layer")
         print("layer  " + "  ".join(f"{name:>7}" for name in experts))
         for layer, row in enumerate(weights):
             print(f"{layer:5d}  " + "  ".join(f"{w:7.3f}" for w in row))
@@ -59,8 +70,9 @@ def main(argv=None):
         print()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"model": args.model, "text": args.text, "context": args.context,
-                                                    "windows": args.windows, "runs": runs}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"model": args.model, "policy": args.policy, "text": args.text,
+                                                    "context": args.context, "windows": args.windows, "runs": runs},
+                                                   indent=1) + "\n")
     plot(runs, args, out.with_suffix(".png"))
 
 
@@ -80,7 +92,7 @@ def plot(runs: dict, args, path: pathlib.Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final weight (mean over windows, KV heads)")
     axes[0][-1].legend(fontsize=7)
-    fig.suptitle(f"adaptive on {args.model}, {args.windows} x {args.context} tokens of {args.text}", fontsize=9)
+    fig.suptitle(f"{args.policy} on {args.model}, {args.windows} x {args.context} tokens of {args.text}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -47,6 +47,31 @@ def test_losses_and_mixture_by_hand():
     assert float(flsmem.summary(state)["weight_h2o"][0]) == pytest.approx(w_sum, rel=1e-5)
 
 
+def test_evicted_judge_by_hand():
+    # As above, but each snapshot marks the lowest item (horizon 1) of each expert among
+    # the committed ones and a query charges the share of its attention on the marks.
+    table = [[1.0, 0.0, 0.0], [0.3, 0.7, 0.0], [0.5, 0.2, 0.3]]
+    policy = P.adaptive(lag=0, decays=(1.0, 0.0), weighted=(False, False), horizon=1, forget=1.0, floor=0.1,
+                        judge="evicted")
+    state = testing.tiny_memory(flsmem.MemoryConfig(policy=policy, budget=4), batch=1, kv_heads=1)
+    tab = jnp.asarray(table, jnp.float32)[None, None]
+    for t in range(3):
+        state = write(state, {"k": jnp.zeros((1, 1, 4)), "v": jnp.zeros((1, 1, 4))}, jnp.array([t]))
+        state = update(state, testing.gather_attention(tab, state)[:, :, 0])
+    # Query 0's snapshot marks p0 for both, and query 1 pays p0 all of the judged
+    # attention: 1 each. Query 1's snapshot: the sum (1.3, .7) marks p1, the last query
+    # (.3, .7) marks p0. Query 2 pays p0 and p1 (.5, .2), normalised (5/7, 2/7).
+    loss_sum, loss_last = 1 + 2 / 7, 1 + 5 / 7
+    np.testing.assert_allclose(state.aux[0, 0, :2], [loss_sum, loss_last], rtol=1e-6)
+    w_sum = 1.0 / (1.0 + math.exp(loss_sum - loss_last))
+    q_sum = 0.9 * np.array([1.8, 0.9, 0.3]) / 3.0 + 0.1 / 3
+    q_last = 0.9 * np.array([0.5, 0.2, 0.3]) + 0.1 / 3
+    held = np.asarray(state.valid[0, 0])
+    order = np.argsort(np.asarray(state.position[0, 0])[held])
+    np.testing.assert_allclose(np.asarray(state.score[0, 0])[held][order],
+                               w_sum * q_sum + (1 - w_sum) * q_last, rtol=1e-5)
+
+
 def _kept_over_stream(policy, evict_every=1, steps=28, budget=6):
     """Kept position sets of every row after every step of a random stream with
     correctness weights."""
@@ -63,11 +88,13 @@ def _kept_over_stream(policy, evict_every=1, steps=28, budget=6):
     return kept
 
 
+@pytest.mark.parametrize("judge", ["log_loss", "evicted"])
 @pytest.mark.parametrize("alone, weighted", [(P.rmm(lag=3, recent=2), True), (P.h2o(recent=3), False)],
                          ids=["rmm", "h2o"])
-def test_one_expert_keeps_what_its_policy_keeps(alone, weighted):
+def test_one_expert_keeps_what_its_policy_keeps(alone, weighted, judge):
     # Normalising a row's sums and adding a floor keeps their order.
-    one = P.adaptive(lag=3, recent=2 if weighted else 3, decays=(1.0,), weighted=(weighted,), horizon=4)
+    one = P.adaptive(lag=3, recent=2 if weighted else 3, decays=(1.0,), weighted=(weighted,), horizon=4,
+                     judge=judge)
     assert _kept_over_stream(one, evict_every=2) == _kept_over_stream(alone, evict_every=2)
 
 
@@ -112,3 +139,5 @@ def test_bad_parameters_are_named():
         P.adaptive(floor=0.0)
     with pytest.raises(ValueError, match="horizon must be an int >= 1"):
         P.adaptive(horizon=0)
+    with pytest.raises(ValueError, match="judge must be one of"):
+        P.adaptive(judge="rank")

@@ -224,6 +224,9 @@ def test_adaptive_weights_are_a_distribution_per_layer(tmp_path, capsys):
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-5)
     assert (tmp_path / "weights.png").stat().st_size > 0
     assert "final weight of each expert per layer" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        adaptive_weights.main(["--policy", "h2o", "--out", str(tmp_path / "other")])
+    assert exit_.value.code == 2 and "--policy must be adaptive" in capsys.readouterr().err
 
 
 def test_ruler_depth_counts_hits_by_the_needles_distance_from_the_end(tmp_path, capsys):

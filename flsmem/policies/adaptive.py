@@ -12,6 +12,12 @@ charged much, which is exactly the eviction that would have hurt. The weights ar
 exponential in the discounted losses (Bayes's rule on the predictions, with forgetting
 so that a row can change its mind), and the committed score is the weighted mixture of
 the current predictions.
+
+The log-loss judges the whole distribution, and is dominated by the items the model
+uses most, which no policy evicts. The ``evicted`` judge charges only what eviction
+pays for: each snapshot marks the items each sum ranks lowest (as many as one
+eviction per query over the horizon would remove), and each later query charges a
+sum the share of its attention that falls on the items that sum marked.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from flsmem import validate
 from flsmem.policies.base import Observation, Params, Policy, SlotView, with_columns
 from flsmem.typing import Array, Bool, Float, PyTree
 
-__all__ = ["AdaptiveParams", "adaptive", "expert_names"]
+__all__ = ["AdaptiveParams", "JUDGES", "adaptive", "expert_names"]
+
+# How a snapshot of each sum is charged for the attention the later queries pay.
+JUDGES = ("log_loss", "evicted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +56,12 @@ class AdaptiveParams(Params):
         log-loss).
       floor: in (0, 1), the share of each prediction spread uniformly, so that a
         prediction is never 0 and one surprise costs at most ``log(n / floor)``.
+      judge: one of :data:`JUDGES`. ``log_loss`` charges each snapshot ``-sum p log
+        q_k`` (``p`` the query's attention over the judged items, normalised);
+        ``evicted`` marks the ``horizon`` committed items each sum ranks lowest (ties
+        at the cut marked too) and charges the share of ``p`` on the marked items. A
+        row holding no more than ``horizon`` committed items marks all of them under
+        every sum, so its losses stay equal and its mixture equal-weighted.
     """
 
     decays: tuple[float, ...] = (1.0, 1.0, 0.9)
@@ -55,6 +70,7 @@ class AdaptiveParams(Params):
     forget: float = 0.99
     rate: float = 1.0
     floor: float = 1e-3
+    judge: str = "log_loss"
 
     def __post_init__(self):
         validate.require(isinstance(self.decays, (tuple, list)) and len(self.decays) >= 1,
@@ -71,6 +87,7 @@ class AdaptiveParams(Params):
         ok = isinstance(floor, numbers.Real) and not isinstance(floor, bool) and 0.0 < floor < 1.0
         validate.require(ok, f"floor must be a number in (0, 1), got {floor!r}")
         object.__setattr__(self, "floor", float(floor))
+        validate.one_of("judge", self.judge, JUDGES)
 
 
 def expert_names(params: AdaptiveParams) -> tuple[str, ...]:
@@ -99,6 +116,33 @@ def _prediction(floor: float, total: Float[Array, "B K S"], among: Bool[Array, "
     return (1.0 - floor) * share + floor / count
 
 
+def _lowest(total: Float[Array, "B K S"], among: Bool[Array, "B K S"], count: int) -> Bool[Array, "B K S"]:
+    """The ``count`` slots of ``among`` with the lowest ``total`` (all of them when
+    fewer; every slot tied with the last one too)."""
+    key = jnp.where(among, total, jnp.inf)
+    cut = -jax.lax.top_k(-key, min(count, key.shape[-1]))[0][..., -1:]
+    return among & (key <= cut)
+
+
+def _snapshots(params: AdaptiveParams, sums, committed, take):
+    """What a snapshot keeps of each sum, per slot: the log of its prediction, or
+    whether it would evict the slot. Only rows where ``take`` holds use them."""
+    if params.judge == "log_loss":
+        return [jnp.log(_prediction(params.floor, total, committed)) for total in sums]
+    # A top-k per sum costs far more than the step's other work: rank only when a
+    # snapshot is due.
+    return jax.lax.cond(jnp.any(take),
+                        lambda: [_lowest(total, committed, params.horizon).astype(jnp.float32) for total in sums],
+                        lambda: [jnp.zeros_like(total) for total in sums])
+
+
+def _charge(params: AdaptiveParams, target: Float[Array, "B K S"], snapshot: Float[Array, "B K S"]):
+    """A snapshot's loss on one query's normalised attention ``target``."""
+    if params.judge == "log_loss":
+        return -jnp.sum(target * snapshot, axis=-1)
+    return jnp.sum(target * snapshot, axis=-1)
+
+
 def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     """Judge the last snapshot on this query's attention, fold the attention into every
     sum, and take a new snapshot every ``horizon`` queries."""
@@ -114,18 +158,18 @@ def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     used = jnp.where(judged, obs.attention, 0.0)
     mass = jnp.sum(used, axis=-1)
     target = used / jnp.where(mass > 0, mass, 1.0)[..., None]
-    loss = jnp.stack([-jnp.sum(target * ev[..., n + k], axis=-1) for k in range(n)], axis=-1)
+    loss = jnp.stack([_charge(p, target, ev[..., n + k]) for k in range(n)], axis=-1)
     losses = jnp.where((mass > 0)[..., None], p.forget * losses + loss, losses)
 
     sums = [decay * ev[..., k] + (obs.weight[:, None, None] if weighted else 1.0) * obs.attention
             for k, (decay, weighted) in enumerate(zip(p.decays, p.weighted))]
     committed = _committed(policy, view)
     take = (view.step % p.horizon == 0)[:, None, None]
-    logs = [jnp.where(take, jnp.log(_prediction(p.floor, s, committed)), ev[..., n + k])
-            for k, s in enumerate(sums)]
+    snapshots = [jnp.where(take, fresh, ev[..., n + k])
+                 for k, fresh in enumerate(_snapshots(p, sums, committed, take))]
     snapshot_step = jnp.where(take[..., 0], view.step[:, None].astype(jnp.float32), snapshot_step)
     aux = jnp.concatenate([losses, snapshot_step[..., None]], axis=-1)
-    return with_columns(view, sums + logs), aux
+    return with_columns(view, sums + snapshots), aux
 
 
 def _weights(policy: Policy, aux: PyTree) -> Float[Array, "B K N"]:
@@ -158,7 +202,7 @@ def _monitor(policy: Policy, aux: PyTree) -> dict[str, Array]:
 def adaptive(
     lag: int = 16, *, recent: int = 0, decays: tuple[float, ...] = (1.0, 1.0, 0.9),
     weighted: tuple[bool, ...] = (True, False, False), horizon: int = 32, forget: float = 0.99,
-    rate: float = 1.0, floor: float = 1e-3,
+    rate: float = 1.0, floor: float = 1e-3, judge: str = "log_loss",
 ) -> Policy:
     """Measure or accumulate, chosen online per row (a KV head of a layer of a sequence).
 
@@ -168,13 +212,15 @@ def adaptive(
     committed items (a ``floor`` of it uniform) is saved; each later query's attention
     over those items, normalised, charges expert k the log-loss ``-sum p log q_k``. The
     losses are discounted by ``forget`` and the weights are ``softmax(-rate * loss)``;
-    score = ``sum_k weight_k q_k`` of the current predictions. A new item is protected
+    score = ``sum_k weight_k q_k`` of the current predictions. With ``judge="evicted"``
+    the loss is instead the share of that attention paid to the ``horizon`` items the
+    expert ranked lowest (what evicting them would have cost). A new item is protected
     for the commit lag ``lag`` as in :func:`~flsmem.policies.rmm`. With one expert it
     keeps what that expert's policy keeps. :func:`flsmem.summary` reports each expert's
     weight per sequence (``weight_rmm``, ``weight_h2o``, ...).
     """
     params = AdaptiveParams(decays=tuple(decays), weighted=tuple(weighted), horizon=horizon, forget=forget,
-                            rate=rate, floor=floor)
+                            rate=rate, floor=floor, judge=judge)
     return Policy(
         name="adaptive", score=_score, fold=_fold, init_aux=_init_aux, monitor=_monitor,
         num_evidence=2 * len(params.decays), recent=recent, lag=lag, params=params,
