@@ -21,6 +21,13 @@ gives each seed's increase over the full cache, their mean ± sd, and the paired
 difference of the seeds' mean NLL per window from the second policy's, with its
 interval over windows. The runs must hold the same windows (their full-cache NLL per
 window must agree).
+
+A policy measured later, in a run of its own on the same windows, is compared with
+the main run's policies by joining its rows to them (``--join``): the pairs are then
+read as from one run.
+
+    python -m flsmem.harness.paired results/adaptive/smollm2-stream.json "adaptive(rate=1e-9)-rmm" \
+        --join results/adaptive/evicted/equal-smollm2-stream.json
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["paired_difference", "table", "seeds_table", "main"]
+__all__ = ["paired_difference", "table", "seeds_table", "join", "main"]
 
 RESAMPLES = 10_000
 
@@ -51,6 +58,39 @@ def paired_difference(a: list[float], b: list[float], seed: int = 0) -> tuple[fl
 def _by_policy(run: dict) -> dict[tuple[str, int], dict]:
     """A run's rows by ``(policy, budget)``."""
     return {(r["policy"], r["budget"]): r for r in run["rows"]}
+
+
+def _full(run: dict) -> dict:
+    return next(row for row in run["rows"] if row["policy"] == "full")
+
+
+def _check_same_windows(run: dict, other: dict, name: str) -> None:
+    """Refuse ``other`` unless its full cache scored the same windows as ``run``'s."""
+    mine, theirs = _full(run)["window_nll"], _full(other)["window_nll"]
+    if len(theirs) != len(mine) or not np.allclose(theirs, mine, rtol=0, atol=1e-5):
+        raise ValueError(f"{name} holds other windows than the main run (its full-cache NLL per window differs)")
+
+
+def join(run: dict, others: list[dict]) -> dict:
+    """``run`` with the policies of ``others``, runs on the same windows, added to its rows.
+
+    Raises:
+      ValueError: a run holds other windows, or measures a policy at a budget that an
+        earlier run already holds.
+    """
+    rows = list(run["rows"])
+    seen = set(_by_policy(run))
+    for i, other in enumerate(others):
+        _check_same_windows(run, other, f"--join run {i + 1}")
+        for row in other["rows"]:
+            if row["policy"] == "full":
+                continue
+            key = (row["policy"], row["budget"])
+            if key in seen:
+                raise ValueError(f"--join run {i + 1} measures {row['policy']} at budget {row['budget']} again")
+            seen.add(key)
+            rows.append(row)
+    return {**run, "rows": rows}
 
 
 def table(run: dict, pairs: list[tuple[str, str]]) -> str:
@@ -82,13 +122,10 @@ def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) 
       ValueError: a seed run holds other windows than ``run``, or lacks a policy.
     """
     base = _by_policy(run)
-    full = next(row for row in run["rows"] if row["policy"] == "full")
+    full = _full(run)
     seeds = [_by_policy(r) for r in seed_runs]
     for i, r in enumerate(seed_runs):
-        other = next(row for row in r["rows"] if row["policy"] == "full")["window_nll"]
-        if len(other) != len(full["window_nll"]) or not np.allclose(other, full["window_nll"], rtol=0, atol=1e-5):
-            raise ValueError(f"--seeds run {i + 1} holds other windows than the main run (its full-cache NLL "
-                             f"per window differs)")
+        _check_same_windows(run, r, f"--seeds run {i + 1}")
     budgets = sorted({row["budget"] for row in run["rows"] if row["policy"] != "full"})
     lines = ["| pair | budget | increase over full, per seed | mean ± sd | difference of the seeds' mean | "
              "95% interval | seeds better |", "|---|---|---|---|---|---|---|"]
@@ -125,10 +162,17 @@ def main(argv=None) -> None:
     parser.add_argument("pairs", nargs="+", type=_pair, help="FIRST-SECOND policy names, as in adakv(h2o)-h2o")
     parser.add_argument("--seeds", nargs="+", default=None, metavar="JSON",
                         help="runs of one seed each: the first policy of each pair is read from them")
+    parser.add_argument("--join", nargs="+", default=[], metavar="JSON",
+                        help="runs on the same windows whose policies are added to the main run's")
     args = parser.parse_args(argv)
     current = args.run
     try:
         run = json.loads(Path(current).read_text())
+        others = []
+        for current in args.join:
+            others.append(json.loads(Path(current).read_text()))
+        current = args.run
+        run = join(run, others)
         if args.seeds is None:
             print(table(run, args.pairs))
             return

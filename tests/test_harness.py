@@ -352,3 +352,25 @@ def test_seeds_table_averages_the_seeds_runs_window_by_window():
     other = {"rows": [{**full, "window_nll": [1.0, 1.1]}, seed(1.1, 1.3)["rows"][1]]}
     with pytest.raises(ValueError, match="other windows"):
         seeds_table(run, [other], [("learned", "h2o")])
+
+
+def test_join_adds_a_later_runs_policies_on_the_same_windows(tmp_path, capsys):
+    from flsmem.harness.paired import join, main
+
+    full = {"policy": "full", "budget": 32, "nll": 1.0, "window_nll": [1.0, 1.0]}
+    run = {"rows": [full, {"policy": "h2o", "budget": 8, "nll": 1.5, "window_nll": [1.5, 2.0]}]}
+    later = {"rows": [full, {"policy": "rmm", "budget": 8, "nll": 1.25, "window_nll": [1.0, 1.5]}]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "later.json").write_text(json.dumps(later))
+    main([str(tmp_path / "run.json"), "rmm-h2o", "--join", str(tmp_path / "later.json")])
+    # rmm - h2o per window: -0.5 and -0.5.
+    assert "| rmm − h2o | 8 | -0.5000 | [-0.5000, -0.5000] | 2 of 2 |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="measures h2o at budget 8 again"):
+        join(run, [run])
+    moved = {"rows": [{**full, "window_nll": [1.0, 1.2]}, later["rows"][1]]}
+    with pytest.raises(ValueError, match="other windows"):
+        join(run, [moved])
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "run.json"), "rmm-h2o", "--join", str(tmp_path / "moved.json")])
+    assert exit_.value.code == 2 and "other windows" in capsys.readouterr().err
