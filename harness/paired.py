@@ -28,6 +28,12 @@ read as from one run.
 
     python -m flsmem.harness.paired results/adaptive/smollm2-stream.json "adaptive(rate=1e-9)-rmm" \
         --join results/adaptive/evicted/equal-smollm2-stream.json
+
+A goal set as "within 10% of the better of h2o and rmm" reads the ratio of each
+policy's increase over the full cache to the smallest of the references' at the same
+budget, from the unrounded NLLs (``--ratio-to``, with the policies in place of pairs):
+
+    python -m flsmem.harness.paired results/adaptive/smollm2-stream.json adaptive --ratio-to h2o,rmm
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["paired_difference", "table", "seeds_table", "join", "main"]
+__all__ = ["paired_difference", "table", "seeds_table", "join", "ratio_table", "main"]
 
 RESAMPLES = 10_000
 
@@ -146,6 +152,42 @@ def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) 
     return "\n".join(lines)
 
 
+def ratio_table(run: dict, policies: list[str], references: list[str]) -> str:
+    """Markdown rows ``| policy | budget | increase over full | best reference | its
+    increase | ratio |``: each policy's increase over the full cache against the smallest
+    increase among ``references`` at the same budget.
+
+    Raises:
+      ValueError: a policy or a reference is not in the run at some budget.
+    """
+    rows = _by_policy(run)
+    full = _full(run)["nll"]
+    budgets = sorted({r["budget"] for r in run["rows"] if r["policy"] != "full"})
+    lines = [f"| policy | budget | increase over full | better of {', '.join(references)} | its increase | ratio |",
+             "|---|---|---|---|---|---|"]
+    for budget in budgets:
+        missing = [name for name in (*policies, *references) if (name, budget) not in rows]
+        if missing:
+            raise ValueError(f"the run has no {', '.join(missing)} at budget {budget}")
+        best = min(references, key=lambda name: rows[name, budget]["nll"])
+        floor = rows[best, budget]["nll"] - full
+        for name in policies:
+            increase = rows[name, budget]["nll"] - full
+            lines.append(f"| {name} | {budget} | {increase:+.4f} | {best} | {floor:+.4f} | {increase / floor:.2f} |")
+    return "\n".join(lines)
+
+
+def _names(text: str) -> list[str]:
+    # Names hold commas inside parentheses only: split at the others.
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            names.append(text[start:i].strip())
+            start = i + 1
+    return [name for name in names if name]
+
+
 def _pair(text: str) -> tuple[str, str]:
     # Names hold parentheses but no "-": split at the first "-" outside parentheses.
     depth = 0
@@ -159,12 +201,21 @@ def _pair(text: str) -> tuple[str, str]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m flsmem.harness.paired", description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="the JSON file of a flsmem eval run (--json)")
-    parser.add_argument("pairs", nargs="+", type=_pair, help="FIRST-SECOND policy names, as in adakv(h2o)-h2o")
+    parser.add_argument("pairs", nargs="+",
+                        help="FIRST-SECOND policy names, as in adakv(h2o)-h2o; with --ratio-to, policy names")
     parser.add_argument("--seeds", nargs="+", default=None, metavar="JSON",
                         help="runs of one seed each: the first policy of each pair is read from them")
     parser.add_argument("--join", nargs="+", default=[], metavar="JSON",
                         help="runs on the same windows whose policies are added to the main run's")
+    parser.add_argument("--ratio-to", type=_names, default=None, metavar="POLICIES",
+                        help="print each policy's increase over full as a ratio to the smallest of these, as h2o,rmm")
     args = parser.parse_args(argv)
+    if args.ratio_to is not None and args.seeds is not None:
+        parser.error("--ratio-to reads one run (and the runs it joins), not --seeds")
+    try:
+        pairs = None if args.ratio_to is not None else [_pair(text) for text in args.pairs]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     current = args.run
     try:
         run = json.loads(Path(current).read_text())
@@ -173,14 +224,17 @@ def main(argv=None) -> None:
             others.append(json.loads(Path(current).read_text()))
         current = args.run
         run = join(run, others)
+        if args.ratio_to is not None:
+            print(ratio_table(run, args.pairs, args.ratio_to))
+            return
         if args.seeds is None:
-            print(table(run, args.pairs))
+            print(table(run, pairs))
             return
         seed_runs = []
         for current in args.seeds:
             seed_runs.append(json.loads(Path(current).read_text()))
         current = args.run
-        print(seeds_table(run, seed_runs, args.pairs))
+        print(seeds_table(run, seed_runs, pairs))
     except (OSError, ValueError, KeyError) as error:
         print(f"paired: error: {current}: {error}", file=sys.stderr)
         raise SystemExit(2) from None

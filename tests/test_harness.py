@@ -374,3 +374,22 @@ def test_join_adds_a_later_runs_policies_on_the_same_windows(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([str(tmp_path / "run.json"), "rmm-h2o", "--join", str(tmp_path / "moved.json")])
     assert exit_.value.code == 2 and "other windows" in capsys.readouterr().err
+
+
+def test_ratio_table_divides_by_the_better_reference_at_each_budget(capsys):
+    from flsmem.harness.paired import main, ratio_table
+
+    rows = [{"policy": "full", "budget": 32, "nll": 1.0},
+            {"policy": "h2o", "budget": 8, "nll": 1.2}, {"policy": "rmm", "budget": 8, "nll": 1.25},
+            {"policy": "mix(a=1, b=2)", "budget": 8, "nll": 1.22},
+            {"policy": "h2o", "budget": 16, "nll": 1.1}, {"policy": "rmm", "budget": 16, "nll": 1.05},
+            {"policy": "mix(a=1, b=2)", "budget": 16, "nll": 1.04}]
+    lines = ratio_table({"rows": rows}, ["mix(a=1, b=2)"], ["h2o", "rmm"]).splitlines()
+    # At 8 slots h2o's +0.2 is the smaller: 0.22 / 0.2; at 16 rmm's +0.05: 0.04 / 0.05.
+    assert lines[2] == "| mix(a=1, b=2) | 8 | +0.2200 | h2o | +0.2000 | 1.10 |"
+    assert lines[3] == "| mix(a=1, b=2) | 16 | +0.0400 | rmm | +0.0500 | 0.80 |"
+    with pytest.raises(ValueError, match="no tova at budget 8"):
+        ratio_table({"rows": rows}, ["tova"], ["h2o"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["run.json", "mix-h2o", "--ratio-to", "h2o", "--seeds", "a.json"])
+    assert exit_.value.code == 2 and "--ratio-to" in capsys.readouterr().err
