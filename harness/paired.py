@@ -67,12 +67,19 @@ def _by_policy(run: dict) -> dict[tuple[str, int], dict]:
 
 
 def _full(run: dict) -> dict:
-    return next(row for row in run["rows"] if row["policy"] == "full")
+    full = next((row for row in run["rows"] if row["policy"] == "full"), None)
+    if full is None:
+        raise ValueError("a run has no full-cache row: it is not the JSON of a flsmem eval run")
+    return full
 
 
 def _check_same_windows(run: dict, other: dict, name: str) -> None:
     """Refuse ``other`` unless its full cache scored the same windows as ``run``'s."""
-    mine, theirs = _full(run)["window_nll"], _full(other)["window_nll"]
+    try:
+        theirs = _full(other)["window_nll"]
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+    mine = _full(run)["window_nll"]
     if len(theirs) != len(mine) or not np.allclose(theirs, mine, rtol=0, atol=1e-5):
         raise ValueError(f"{name} holds other windows than the main run (its full-cache NLL per window differs)")
 
@@ -173,7 +180,9 @@ def ratio_table(run: dict, policies: list[str], references: list[str]) -> str:
         floor = rows[best, budget]["nll"] - full
         for name in policies:
             increase = rows[name, budget]["nll"] - full
-            lines.append(f"| {name} | {budget} | {increase:+.4f} | {best} | {floor:+.4f} | {increase / floor:.2f} |")
+            # A reference no worse than the full cache leaves no increase to be a share of.
+            ratio = f"{increase / floor:.2f}" if floor > 0 else "n/a"
+            lines.append(f"| {name} | {budget} | {increase:+.4f} | {best} | {floor:+.4f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -185,7 +194,10 @@ def _names(text: str) -> list[str]:
         if char == "," and depth == 0:
             names.append(text[start:i].strip())
             start = i + 1
-    return [name for name in names if name]
+    names = [name for name in names if name]
+    if not names:
+        raise argparse.ArgumentTypeError("needs at least one policy name, as in h2o,rmm")
+    return names
 
 
 def _pair(text: str) -> tuple[str, str]:

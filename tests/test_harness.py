@@ -393,3 +393,14 @@ def test_ratio_table_divides_by_the_better_reference_at_each_budget(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["run.json", "mix-h2o", "--ratio-to", "h2o", "--seeds", "a.json"])
     assert exit_.value.code == 2 and "--ratio-to" in capsys.readouterr().err
+
+
+def test_paired_refuses_a_run_without_a_full_cache_and_a_ratio_of_nothing():
+    from flsmem.harness.paired import join, ratio_table
+
+    full = {"policy": "full", "budget": 32, "nll": 1.0, "window_nll": [1.0]}
+    run = {"rows": [full, {"policy": "h2o", "budget": 8, "nll": 1.0, "window_nll": [1.0]}]}
+    with pytest.raises(ValueError, match="--join run 1: a run has no full-cache row"):
+        join(run, [{"rows": []}])
+    # h2o is no worse than the full cache here: no increase for a ratio to divide by.
+    assert ratio_table(run, ["h2o"], ["h2o"]).splitlines()[2].endswith("| +0.0000 | n/a |")
