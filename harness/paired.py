@@ -187,14 +187,9 @@ def ratio_table(run: dict, policies: list[str], references: list[str]) -> str:
 
 
 def _names(text: str) -> list[str]:
-    # Names hold commas inside parentheses only: split at the others.
-    names, depth, start = [], 0, 0
-    for i, char in enumerate(text + ","):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            names.append(text[start:i].strip())
-            start = i + 1
-    names = [name for name in names if name]
+    from flsmem.harness.evaluate import split_policies  # here, not above: it brings in JAX
+
+    names = split_policies(text)
     if not names:
         raise argparse.ArgumentTypeError("needs at least one policy name, as in h2o,rmm")
     return names
