@@ -1,12 +1,23 @@
 """Online learning under a distribution shift: does serving-time learning close the gap?
 
 ``flsmem shift`` deploys an estimator pretrained on one family of streams (the
-*shifted* one, for example prose only) on another family (the controlled tasks of
-:mod:`flsmem.models.tasks`, with the task model), and compares, on the same examples:
+*shifted* one, for example prose only) on another family, and compares, on the same
+examples:
 
 * the shifted estimator frozen (``offline``),
 * the shifted estimator learning online as it serves (``online``, at each learning rate),
 * an estimator pretrained on the target family (``in_family``), frozen and online.
+
+Two target families (``--family``):
+
+* ``tasks``: the controlled tasks of :mod:`flsmem.models.tasks`, served by the task
+  model; the shifted estimators were pretrained on the tiny model's prose;
+* ``ruler``: RULER's needle tasks served by SmolLM2-135M, teacher-forced
+  (:mod:`flsmem.harness.ruler.forced`: a sample counts where every token of its gold
+  answer is predicted), with essay haystacks of the held-out books; the shifted
+  estimators are the ones pretrained on SmolLM2's prose, the in-family ones on SmolLM2's
+  teacher-forced needle tasks with training-split haystacks and other seeds
+  (``train_estimator --sources ruler``).
 
 The test examples arrive as one **stream of requests**: batches of ``--batch`` windows,
 one after another, as a server would see them. A learning estimator carries what it
@@ -38,6 +49,7 @@ import json
 import time
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -45,12 +57,13 @@ from tqdm.auto import tqdm
 from flsmem.harness.arguments import checking
 from flsmem.validate import require
 
-__all__ = ["ShiftPlan", "QUICK", "stream", "run", "recovered", "against", "format_report", "format_against", "main"]
+__all__ = ["ShiftPlan", "QUICK", "RULER", "stream", "run", "references", "recovered", "against", "format_report", "format_against", "main"]
 
 CHUNK = 16
 RESAMPLES = 10_000
 OPTIMIZERS = ("fresh", "pretrained")
 ORDERS = ("per-task", "sequential", "interleaved")
+FAMILIES = ("tasks", "ruler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +73,9 @@ class ShiftPlan:
     Attributes:
       shifted, in_family: estimator checkpoints, one per pretraining seed; the i-th of
         each are paired.
-      tasks: controlled tasks the estimators are deployed on.
+      family: the target family: ``"tasks"`` (the controlled tasks, the task model) or
+        ``"ruler"`` (RULER's needle tasks, SmolLM2-135M).
+      tasks: tasks of the family the estimators are deployed on.
       fractions: memory budgets, as fractions of the task window.
       learning_rates: Adam step sizes of the online variants.
       seeds, examples: the test examples (``examples`` per seed), streamed in this order.
@@ -72,6 +87,8 @@ class ShiftPlan:
         ``"sequential"``, one stream serving the tasks one after another;
         ``"interleaved"``, one stream whose every request holds ``batch / len(tasks)``
         windows of each task.
+      references: policies measured on the same examples and budgets for scale
+        (:func:`references`), for example the full cache, h2o and the oracle.
     """
 
     shifted: tuple[str, ...]
@@ -85,10 +102,14 @@ class ShiftPlan:
     task_context: int = 256
     optimizer: str = "fresh"
     order: str = "per-task"
+    family: str = "tasks"
+    references: tuple[str, ...] = ()
 
     def __post_init__(self):
+        from flsmem.harness.ruler.tasks import NIAH
         from flsmem.models.tasks import TASKS
 
+        require(self.family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         require(self.optimizer in OPTIMIZERS, f"--optimizer must be one of {', '.join(OPTIMIZERS)}, "
                                               f"got {self.optimizer!r}")
         require(len(self.shifted) >= 1 and len(self.shifted) == len(self.in_family),
@@ -107,8 +128,10 @@ class ShiftPlan:
             require(_estimator_settings(path) == first,
                     f"--in-family and --shifted checkpoints must share the estimator's settings (horizon, label, "
                     f"width, ...); {path!r} differs from {self.shifted[0]!r}")
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        require(self.tasks and not unknown, f"--tasks must be among {TASKS}, got {self.tasks}")
+        known = TASKS if self.family == "tasks" else tuple(NIAH)
+        unknown = sorted(set(self.tasks) - set(known))
+        require(self.tasks and not unknown, f"--tasks must be among {', '.join(known)} for --family {self.family}, "
+                                            f"got {','.join(self.tasks)}")
         require(self.fractions and all(0 < f < 1 for f in self.fractions),
                 f"--fractions must lie in (0, 1), got {self.fractions}")
         require(self.learning_rates and all(lr > 0 for lr in self.learning_rates),
@@ -119,6 +142,10 @@ class ShiftPlan:
         require(1 <= self.batch and total % self.batch == 0,
                 f"--batch must divide the {total} examples of a task's stream, got {self.batch}")
         require(self.order in ORDERS, f"--order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        from flsmem.harness.evaluate import is_policy_name
+
+        bad = [name for name in self.references if not is_policy_name(name)]
+        require(not bad, f"references must be policy names, got {bad}")
         if self.order == "interleaved":
             share = self.batch // len(self.tasks)
             require(share >= 1 and share * len(self.tasks) == self.batch and total % share == 0,
@@ -149,6 +176,15 @@ SHIFTED = tuple(f"results/shift/estimators/prose-seed{s}" for s in range(4))
 IN_FAMILY = tuple(f"results/shift/estimators/tasks-seed{s}" for s in range(4))
 # Two tasks, one budget, one seed of examples, the larger rate: minutes.
 QUICK = dict(tasks=("repeat", "chain"), fractions=(1 / 8,), learning_rates=(1e-2,), seeds=(3,), examples=32)
+# The RULER family on SmolLM2: its own checkpoints and a smaller plan, fixed before the
+# run. Two needle tasks whose answers the full cache gives at 256 tokens, half the
+# window kept (where the oracle answers and h2o nearly never does), one interleaved
+# stream of 12 requests, the rate that recovered most on the tiny model.
+RULER = dict(
+    shifted=("checkpoints/estimator-smollm2",) + tuple(f"results/learned-smollm2/estimators/seed{s}" for s in (1, 2, 3)),
+    in_family=tuple(f"results/shift/smollm2/estimators/ruler-seed{s}" for s in range(4)),
+    tasks=("niah_single_2", "niah_multikey_1"), fractions=(1 / 2,), learning_rates=(1e-2,), seeds=(0,), examples=48,
+    order="interleaved", references=("full", "h2o", "rmm", "oracle"))
 
 
 def _start(path: str, optimizer: str = "fresh") -> dict:
@@ -196,15 +232,11 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
     """Every variant of every estimator on every task and budget, as rows with the
     per-example accuracies."""
     from flsmem import estimator as E
-    from flsmem.harness import regime
 
-    model = regime.tasks_model()
-    setting_plan = dataclasses.replace(regime.QUICK, tasks=plan.tasks, seeds=plan.seeds, examples=plan.examples,
-                                       task_context=plan.task_context)
+    model, settings = _target(plan)
     estimators = [("shifted", i, path) for i, path in enumerate(plan.shifted)]
     estimators += [("in_family", i, path) for i, path in enumerate(plan.in_family)]
     starts = {path: _start(path, plan.optimizer) for _, _, path in estimators}
-    settings = {task: regime.task_setting(task, setting_plan, model) for task in plan.tasks}
     # Each stream: the tasks it serves and, per task, where its windows sit in the stream.
     per_task = len(settings[plan.tasks[0]].windows)
     if plan.order == "per-task":
@@ -241,6 +273,70 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
     # A stream of several tasks yields their rows at once; the report reads them task by task.
     rows.sort(key=lambda r: (plan.tasks.index(r["task"]), plan.fractions.index(r["fraction"])))
     return rows
+
+
+def references(plan: ShiftPlan, progress: bool = True) -> list[dict]:
+    """``plan.references`` on the same examples and budgets as :func:`run`, each
+    request served on its own (no policy here carries anything between requests), as
+    rows ``{task, fraction, budget, policy, value, per_example}``."""
+    from flsmem.harness.evaluate import evaluate_windows, future_attention, make_policy
+
+    if not plan.references:
+        return []
+    model, settings = _target(plan)
+    bar = tqdm(total=len(plan.tasks) * len(plan.fractions) * len(plan.references), desc="references",
+               unit="policy", disable=not progress)
+    rows = []
+    for task in plan.tasks:
+        setting = settings[task]
+        for fraction in plan.fractions:
+            budget = int(round(fraction * setting.context))
+            for name in plan.references:
+                bar.set_postfix_str(f"{task} B={budget} {name}")
+                policy = make_policy(name, budget)
+                hits = []
+                for first in range(0, len(setting.windows), plan.batch):
+                    windows = setting.windows[first:first + plan.batch]
+                    futures = future_attention(model, windows, CHUNK) if policy.needs_future else None
+                    hits.append(evaluate_windows(model, windows, policy, budget, chunk=CHUNK, futures=futures)[1])
+                per_example = setting.score(None, np.concatenate(hits))
+                rows.append({"task": task, "fraction": fraction, "budget": budget, "policy": name,
+                             "value": float(per_example.mean()), "per_example": per_example.tolist()})
+                bar.update(1)
+    bar.close()
+    return rows
+
+
+class _Task(NamedTuple):
+    """One task's test examples: ``windows [N, T + 1]``, ``context`` (T) and
+    ``score(nll, hit)``, the per-example accuracy."""
+
+    windows: np.ndarray
+    context: int
+    score: Callable
+
+
+def _target(plan: ShiftPlan) -> tuple[object, dict[str, _Task]]:
+    """The target family's model and each task's test examples (``plan.examples`` per
+    seed of ``plan.seeds``, one seed after another)."""
+    if plan.family == "tasks":
+        from flsmem.harness import regime
+
+        model = regime.tasks_model()
+        setting_plan = dataclasses.replace(regime.QUICK, tasks=plan.tasks, seeds=plan.seeds,
+                                           examples=plan.examples, task_context=plan.task_context)
+        settings = [regime.task_setting(task, setting_plan, model) for task in plan.tasks]
+        return model, {task: _Task(s.windows, s.context, s.score) for task, s in zip(plan.tasks, settings)}
+    from flsmem.harness.ruler.forced import ForcedBatch, forced_batch
+    from flsmem.models.smollm2 import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    tasks = {}
+    for task in plan.tasks:
+        parts = [forced_batch(task, plan.task_context, plan.examples, tokenizer, seed=seed) for seed in plan.seeds]
+        batch = ForcedBatch(task, np.concatenate([b.tokens for b in parts]), np.concatenate([b.answer for b in parts]))
+        tasks[task] = _Task(batch.tokens, plan.task_context, lambda nll, hit, batch=batch: batch.accuracy(hit))
+    return model, tasks
 
 
 def _stream_order(tasks: int, windows: int, share: int) -> np.ndarray:
@@ -349,9 +445,10 @@ def _label(family: str, rate: float | None) -> str:
     return f"{family} {'offline' if rate is None else f'online {rate:g}'}"
 
 
-def format_report(rows: list[dict]) -> str:
+def format_report(rows: list[dict], reference_rows: list[dict] = ()) -> str:
     """Accuracy per task and budget (mean ± sd over pretraining seeds), the optimizer
-    steps taken, the gap recovered per learning rate, and the goal's check."""
+    steps taken, the gap recovered per learning rate, the goal's check, and the
+    reference policies' accuracy on the same examples where :func:`references` gave it."""
     rates = sorted({r["learning_rate"] for r in rows if r["learning_rate"] is not None})
     present = {(r["estimator"], r["learning_rate"]) for r in rows}
     variants = [(family, rate) for family in ("shifted", "in_family") for rate in [None, *rates]
@@ -407,6 +504,15 @@ def format_report(rows: list[dict]) -> str:
             cells.append("" if target_online is None else f"{target_online[..., part].mean():.3f}")
             ratio = (online - offline)[..., part].mean() / gap if gap else float("nan")
             lines.append(f"| {rate:g} | {name} | " + " | ".join(cells) + f" | {ratio:+.2f} |")
+    if reference_rows:
+        names = list(dict.fromkeys(r["policy"] for r in reference_rows))
+        value = {(r["task"], r["fraction"], r["policy"]): r for r in reference_rows}
+        lines += ["", "## the same examples under other policies (accuracy; each request served on its own)", "",
+                  "| task | budget | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for task, fraction in dict.fromkeys((r["task"], r["fraction"]) for r in reference_rows):
+            budget = value[(task, fraction, names[0])]["budget"]
+            lines.append(f"| {task} | {budget} ({_fraction(fraction)}) | "
+                         + " | ".join(f"{value[(task, fraction, n)]['value']:.3f}" for n in names) + " |")
     lines += ["", "## goal", ""] + [f"{'holds ' if ok else 'FAILS '} {text}" for text, ok in checks]
     return "\n".join(lines)
 
@@ -424,33 +530,72 @@ def format_against(compared: list[dict], base: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shifted", default=",".join(SHIFTED), metavar="DIRS",
-                        help="comma-separated estimator checkpoints pretrained off the target family, one per seed")
-    parser.add_argument("--in-family", default=",".join(IN_FAMILY), metavar="DIRS",
-                        help="the same number of checkpoints pretrained on the target family (the tasks)")
-    parser.add_argument("--learning-rates", default=",".join(f"{r:g}" for r in ShiftPlan.learning_rates),
-                        metavar="RATES", help="comma-separated Adam step sizes of the online variants")
+    parser.add_argument("--family", default="tasks", metavar="|".join(FAMILIES),
+                        help="the target family: the controlled tasks on the task model, or RULER's needle tasks on "
+                             "SmolLM2-135M (teacher-forced; its own defaults for every option below)")
+    parser.add_argument("--shifted", metavar="DIRS",
+                        help="comma-separated estimator checkpoints pretrained off the target family, one per seed "
+                             f"(tasks: {','.join(SHIFTED)}; ruler: {','.join(RULER['shifted'])})")
+    parser.add_argument("--in-family", metavar="DIRS",
+                        help="the same number of checkpoints pretrained on the target family "
+                             f"(tasks: {','.join(IN_FAMILY)}; ruler: {','.join(RULER['in_family'])})")
+    parser.add_argument("--tasks", metavar="TASKS", help="comma-separated tasks of the family "
+                                                        f"(tasks: {','.join(ShiftPlan.tasks)}; ruler: "
+                                                        f"{','.join(RULER['tasks'])})")
+    parser.add_argument("--fractions", metavar="FRACTIONS",
+                        help="comma-separated budgets as fractions of the window, like 1/8,1/4 (tasks: 1/16,1/8,1/4; "
+                             "ruler: 1/2)")
+    parser.add_argument("--learning-rates", metavar="RATES",
+                        help="comma-separated Adam step sizes of the online variants (tasks: 1e-3,1e-2; ruler: 1e-2)")
     parser.add_argument("--batch", type=int, default=ShiftPlan.batch, help="windows per request of the stream")
     parser.add_argument("--optimizer", default=ShiftPlan.optimizer, metavar="|".join(OPTIMIZERS),
                         help="the optimizer state online learning starts from: fresh Adam moments, or those each "
                              "checkpoint's pretraining ended with (checkpoints saved with them)")
-    parser.add_argument("--order", default=ShiftPlan.order, metavar="|".join(ORDERS),
+    parser.add_argument("--order", metavar="|".join(ORDERS),
                         help="one stream per task, or one stream of every task: one task after another, or each "
-                             "request holding an equal share of each task's windows")
+                             "request holding an equal share of each task's windows (tasks: per-task; ruler: "
+                             "interleaved)")
     parser.add_argument("--quick", action="store_true",
                         help="repeat and chain, budget 1/8, one seed of examples (3, which the full run does not "
                              "use), learning rate 1e-2")
-    parser.add_argument("--out", default="results/shift", help="folder for shift.json and shift.txt")
+    parser.add_argument("--out", help="folder for shift.json and shift.txt (tasks: results/shift; ruler: "
+                                      "results/shift/smollm2)")
     parser.add_argument("--render", action="store_true", help="measure nothing: rewrite from the JSON in --out")
     parser.add_argument("--against", metavar="DIR",
                         help="another run's --out folder, on the same examples and checkpoints: add each online "
                              "variant's difference from it")
 
 
+def _plan(args: argparse.Namespace) -> ShiftPlan:
+    """The plan the options ask for: the family's defaults, then ``--quick``'s, then
+    each option given."""
+    require(args.family in FAMILIES, f"--family must be one of {', '.join(FAMILIES)}, got {args.family!r}")
+    require(not (args.quick and args.family != "tasks"), "--quick is a plan of --family tasks; for ruler give "
+                                                         "--tasks, --fractions and --learning-rates instead")
+    fields = ({"shifted": SHIFTED, "in_family": IN_FAMILY} if args.family == "tasks" else dict(RULER))
+    fields |= QUICK if args.quick else {}
+    given = {"shifted": args.shifted and _paths(args.shifted), "in_family": args.in_family and _paths(args.in_family),
+             "tasks": args.tasks and _paths(args.tasks), "fractions": args.fractions and _fractions(args.fractions),
+             "learning_rates": args.learning_rates and _rates(args.learning_rates)}
+    fields |= {name: value for name, value in given.items() if value is not None}
+    if args.order is not None:
+        fields["order"] = args.order
+    return ShiftPlan(family=args.family, batch=args.batch, optimizer=args.optimizer, **fields)
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(Fraction(f.strip())) for f in text.split(",") if f.strip())
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"--fractions must be comma-separated fractions like 1/8,1/4, got {text!r}") from None
+
+
 def run_cli(args: argparse.Namespace) -> list[dict]:
     from flsmem.harness.regime import check_output
 
     stem = "quick" if args.quick else "shift"
+    if args.out is None:
+        args.out = {"ruler": "results/shift/smollm2"}.get(args.family, "results/shift")
     with checking("flsmem shift"):
         out = check_output(args, stem)
         base = None
@@ -462,25 +607,26 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
                 base = None
             require(isinstance(base, list),
                     f"--against must name a folder holding a run's {stem}.json, got {args.against!r}")
-        plan = None if args.render else ShiftPlan(
-            _paths(args.shifted), _paths(args.in_family), batch=args.batch, optimizer=args.optimizer,
-            order=args.order,
-            **({"learning_rates": _rates(args.learning_rates)} | (QUICK if args.quick else {})))
+        plan = None if args.render else _plan(args)
     if args.render:
         saved = json.loads((out / f"{stem}.json").read_text())
         rows, elapsed, optimizer = saved["rows"], saved["seconds"], saved["plan"].get("optimizer", "fresh")
+        reference_rows = saved.get("references", [])
         order, batch = saved["plan"].get("order", "per-task"), saved["plan"]["batch"]
+        family = saved["plan"].get("family", "tasks")
     else:
         begin = time.perf_counter()
-        rows, optimizer, order, batch = run(plan), plan.optimizer, plan.order, plan.batch
+        rows, optimizer, order, batch, family = run(plan), plan.optimizer, plan.order, plan.batch, plan.family
+        reference_rows = references(plan)
         elapsed = time.perf_counter() - begin
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(
-            {"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows}) + "\n")
-    flags = ((" --quick" if args.quick else "") + (f" --optimizer {optimizer}" if optimizer != "fresh" else "")
+            {"plan": dataclasses.asdict(plan), "seconds": elapsed, "rows": rows, "references": reference_rows}) + "\n")
+    flags = ((f" --family {family}" if family != "tasks" else "") + (" --quick" if args.quick else "")
+             + (f" --optimizer {optimizer}" if optimizer != "fresh" else "")
              + (f" --order {order}" if order != "per-task" else "")
              + (f" --batch {batch}" if batch != ShiftPlan.batch else ""))
-    text = f"flsmem shift{flags} ({elapsed:.0f} s)\n\n" + format_report(rows)
+    text = f"flsmem shift{flags} ({elapsed:.0f} s)\n\n" + format_report(rows, reference_rows)
     if base is not None:
         with checking("flsmem shift"):
             compared = against(rows, base)

@@ -257,6 +257,10 @@ BAD_ARGUMENTS = {
     "shift render with nothing saved": (["shift", "--render", "--out", "{tmp}/empty"], "--render"),
     "shift unknown optimizer": (["shift", "--optimizer", "adam", "--out", "{tmp}/out"],
                                 "--optimizer must be one of fresh, pretrained, got 'adam'"),
+    "shift unknown family": (["shift", "--family", "gemma", "--out", "{tmp}/out"],
+                             "--family must be one of tasks, ruler, got 'gemma'"),
+    "shift quick of the ruler family": (["shift", "--family", "ruler", "--quick", "--out", "{tmp}/out"], "--quick"),
+    "shift fractions not fractions": (["shift", "--fractions", "half", "--out", "{tmp}/out"], "--fractions"),
     "shift against no run": (["shift", "--against", "{tmp}/folder", "--out", "{tmp}/out"], "--against"),
     "shift against a file that is no run": (["shift", "--against", "{tmp}/run", "--out", "{tmp}/out"], "--against"),
 }

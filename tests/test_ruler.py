@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 
 from flsmem.harness.ruler import score, tasks
@@ -280,3 +281,60 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, mo
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(f"flsmem ruler: error: {name.replace('{tmp}', str(tmp_path))}"), err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def _decode(tokens) -> str:
+    return bytes(int(t) for t in tokens).decode()
+
+
+@pytest.mark.parametrize("task", ["niah_single_2", "niah_multikey_1", "niah_multivalue"])
+def test_a_forced_window_is_a_prompt_and_its_gold_answer(task):
+    from flsmem.harness.ruler import forced
+
+    tokenizer, length = ByteTokenizer(), 1024
+    for index in range(2):
+        tokens, answer = forced.forced_window(task, length, index, tokenizer, seed=5)
+        assert tokens.shape == (length + 1,) and answer.shape == (length,)
+        np.testing.assert_array_equal(tokens, forced.forced_window(task, length, index, tokenizer, seed=5)[0])
+        text = _decode(tokens)
+        # The scored targets are the answer's tokens, at the very end, before its period.
+        targets = np.flatnonzero(answer)
+        assert targets[-1] == length - 2 and np.all(np.diff(targets) == 1) and text.endswith(".")
+        gold = _decode(tokens[1:][answer])
+        prompt = text[:targets[0] + 1]
+        assert prompt.rstrip().endswith(("is", "are")) and gold.startswith(" ")
+        # Every value asked for is a needle of the prompt, under a key the question names.
+        question = prompt.rsplit("\n", 1)[1]
+        for value in gold.strip().split(", "):
+            needle = re.search(rf"The hidden \w+ for (\S+) is {re.escape(value)}\.", prompt)
+            assert needle and needle.group(1) in question, (task, index, value)
+
+
+def test_forced_windows_for_pretraining_take_their_haystack_from_the_training_books():
+    from flsmem.harness.ruler import forced
+    from flsmem.models.data import load_split
+
+    # Haystacks are the books' words joined by single spaces.
+    books = {split: " ".join(load_split(split).split()) for split in ("train", "test")}
+    for split, other in (("train", "test"), ("test", "train")):
+        tokens, _ = forced.forced_window("niah_single_2", 1024, 0, ByteTokenizer(), seed=5, split=split)
+        # The longest stretch of haystack between the header, the needle and the question.
+        pieces = re.split(r"The hidden \w+ for \S+ is \d+\.|\n", _decode(tokens))
+        stretch = max(pieces, key=len).strip()
+        middle = stretch[len(stretch) // 4: len(stretch) // 4 + 120]
+        assert len(middle) == 120 and middle in books[split] and middle not in books[other]
+
+
+def test_a_forced_batch_counts_a_sample_only_when_its_whole_answer_is_predicted():
+    from flsmem.harness.ruler import forced
+
+    batch = forced.forced_batch("niah_single_2", 512, 3, ByteTokenizer(), seed=1)
+    assert batch.tokens.shape == (3, 513) and batch.answer.shape == (3, 512)
+    np.testing.assert_array_equal(batch.accuracy(batch.answer), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(batch.accuracy(np.zeros_like(batch.answer)), [0.0, 0.0, 0.0])
+    one_missed = batch.answer.copy()
+    one_missed[1, np.flatnonzero(batch.answer[1])[3]] = False
+    np.testing.assert_array_equal(batch.accuracy(one_missed | ~batch.answer), [1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match=r"hit must have shape \(3, 512\)"):
+        batch.accuracy(batch.answer[:, 1:])
+    assert not forced.fits("cwe", 64, ByteTokenizer()) and forced.fits("niah_single_2", 512, ByteTokenizer())

@@ -100,3 +100,53 @@ def test_one_stream_of_every_task_in_turns_or_one_after_another():
         shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), batch=6, order="interleaved")
     with pytest.raises(ValueError, match="--order must be one of per-task, sequential, interleaved"):
         shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), order="mixed")
+
+
+def test_the_ruler_family_has_its_own_plan_and_refuses_tasks_of_another():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    shift.add_arguments(parser)
+    estimator = str(ESTIMATOR_DIR)
+    given = ["--family", "ruler", "--shifted", estimator, "--in-family", estimator]
+    plan = shift._plan(parser.parse_args(given))
+    assert (plan.family, plan.tasks, plan.fractions, plan.order) == (
+        "ruler", shift.RULER["tasks"], shift.RULER["fractions"], "interleaved")
+    plan = shift._plan(parser.parse_args(given + ["--order", "per-task", "--fractions", "1/4,1/2",
+                                                  "--tasks", "niah_single_1"]))
+    assert (plan.tasks, plan.fractions, plan.order) == (("niah_single_1",), (0.25, 0.5), "per-task")
+    with pytest.raises(ValueError, match="--tasks must be among niah_single_1, .* for --family ruler, got passkey"):
+        shift.ShiftPlan((estimator,), (estimator,), family="ruler", tasks=("passkey",))
+
+
+def test_the_ruler_family_serves_smollm2_teacher_forced_needle_tasks():
+    from real_models import real_model_file
+
+    from flsmem.models import smollm2
+
+    real_model_file(smollm2.gguf_path)
+    plan = shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), family="ruler",
+                           tasks=("niah_single_2",), seeds=(0, 1), examples=2, batch=2)
+    _, tasks = shift._target(plan)
+    task = tasks["niah_single_2"]
+    assert task.windows.shape == (4, 257) and task.context == 256
+    # The examples of each seed in turn, and the gold answer scores 1 where it is predicted.
+    _, tokenizer = smollm2.load_smollm2()
+    from flsmem.harness.ruler.forced import forced_batch
+
+    second = forced_batch("niah_single_2", 256, 2, tokenizer, seed=1)
+    np.testing.assert_array_equal(task.windows[2:], second.tokens)
+    hit = np.zeros((4, 256), bool)
+    hit[2:] = second.answer
+    np.testing.assert_array_equal(task.score(None, hit), [0.0, 0.0, 1.0, 1.0])
+
+
+def test_reference_policies_are_reported_beside_the_estimators():
+    rows = _rows({("shifted", None): [[0.0, 0.5]], ("in_family", None): [[1.0, 0.5]], ("shifted", 0.01): [[0.5, 0.5]]})
+    reference_rows = [{"task": "repeat", "fraction": 0.125, "budget": 32, "policy": name, "value": value,
+                       "per_example": [value, value]} for name, value in (("full", 1.0), ("h2o", 0.25))]
+    text = shift.format_report(rows, reference_rows)
+    assert "| task | budget | full | h2o |" in text and "| repeat | 32 (1/8) | 1.000 | 0.250 |" in text
+    assert "other policies" not in shift.format_report(rows)
+    with pytest.raises(ValueError, match="references must be policy names"):
+        shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), references=("h2o", "nonsense"))

@@ -107,3 +107,21 @@ def test_a_stop_request_saves_and_the_same_command_resumes(tmp_path):
     assert stopped["interrupted"] and int(stopped["updates"]) > 0
     resumed = T.train(_options(tmp_path, save_every=5, batches=2))
     assert "interrupted" not in resumed and int(resumed["updates"]) > int(stopped["updates"])
+
+
+def test_the_ruler_source_draws_teacher_forced_needle_tasks_of_the_training_books(tmp_path):
+    from real_models import real_model_file
+
+    from flsmem.harness.ruler.tasks import NIAH
+    from flsmem.models import smollm2
+
+    real_model_file(smollm2.gguf_path)
+    # SmolLM2 streams a quarter of --windows per batch.
+    source = T._Source("ruler", _options(tmp_path, sources=("ruler",), windows=8))
+    assert source.ruler_tasks and set(source.ruler_tasks) <= set(NIAH)
+    first = source.draw(np.random.default_rng([0, 3]))
+    assert first.shape == (2, 257)
+    np.testing.assert_array_equal(first, source.draw(np.random.default_rng([0, 3])))
+    # Each window ends with an answer of the needle task it holds, then its period.
+    text = [source.tokenizer.decode(row.tolist()) for row in first]
+    assert all(t.endswith(".") and "The hidden" in t for t in text)

@@ -9,7 +9,9 @@ run sees: batches of training-split windows are streamed through a model under t
 mature, and what it learned is carried to the next batch
 (:func:`flsmem.estimator.carry_over`, the layers' copies averaged). Sources take
 turns: the task model on the controlled tasks (``tasks``), the tiny model on prose
-(``tiny``) and SmolLM2-135M on prose (``smollm2``); budgets take turns too, and a
+(``tiny``), SmolLM2-135M on prose (``smollm2``) and SmolLM2 on RULER's needle tasks,
+teacher-forced (``ruler``: :mod:`flsmem.harness.ruler.forced`, haystacks of the
+training split, seeds no evaluation uses); budgets take turns too, and a
 budget of 1 (the whole window, nothing evicted) gives every slot its label, where
 smaller budgets show the estimator the memories its own policy keeps. With ``--flush``
 the snapshots still in flight when a batch's stream ends are labelled with what they
@@ -47,7 +49,9 @@ from flsmem.train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
 
-SOURCES = ("tasks", "tiny", "smollm2")
+SOURCES = ("tasks", "tiny", "smollm2", "ruler")
+# Seeds of the RULER samples that pretraining draws: evaluations use seeds below this.
+RULER_SEEDS = 2**20
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_estimator"
 CHUNK = 16
 
@@ -153,9 +157,16 @@ class _Source:
         else:
             from flsmem.models.smollm2 import load_smollm2
 
-            self.model, tokenizer = load_smollm2()
-            self.tokens = np.asarray(tokenizer.encode(text), np.int32)
+            self.model, self.tokenizer = load_smollm2()
             self.context, self.count = options.text_context, max(1, options.windows // 4)
+            if name == "smollm2":
+                self.tokens = np.asarray(self.tokenizer.encode(text), np.int32)
+            else:
+                from flsmem.harness.ruler.forced import fits
+                from flsmem.harness.ruler.tasks import NIAH
+
+                # Every needle task whose prompt and answer fit the window.
+                self.ruler_tasks = [task for task in NIAH if fits(task, self.context, self.tokenizer)]
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
         from flsmem.models.data import random_windows
@@ -164,6 +175,13 @@ class _Source:
         if self.name == "tasks":
             kind = TASKS[int(rng.integers(len(TASKS)))]
             return make_tasks(kind, self.tokens, self.count, self.context, seed=int(rng.integers(2**31))).tokens
+        if self.name == "ruler":
+            from flsmem.harness.ruler.forced import forced_window
+
+            return np.stack([forced_window(self.ruler_tasks[int(rng.integers(len(self.ruler_tasks)))], self.context,
+                                           int(rng.integers(2**20)), self.tokenizer,
+                                           seed=int(rng.integers(RULER_SEEDS, 2**31)), split="train")[0]
+                             for _ in range(self.count)])
         return random_windows(self.tokens, self.count, self.context, rng)
 
 

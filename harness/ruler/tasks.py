@@ -120,9 +120,10 @@ def vocabulary() -> tuple[str, ...]:
 
 
 @functools.cache
-def _essay_words() -> tuple[str, ...]:
-    # Held-out prose (never the training books) for the essay haystacks.
-    return tuple(load_split("test").split())
+def _essay_words(split: str) -> tuple[str, ...]:
+    # Evaluation samples take held-out prose (never the training books); samples made
+    # to pretrain an estimator take the training split, so no haystack is shared.
+    return tuple(load_split(split).split())
 
 
 def _rng(seed: int, task: str, length: int, index: int) -> np.random.Generator:
@@ -178,12 +179,13 @@ def _insert(sentences: list[str], items: list[str], rng: np.random.Generator) ->
     return out + sentences[last:]
 
 
-def _haystack(kind: str, n: int, items: list[str], rng: np.random.Generator) -> str:
+def _haystack(kind: str, n: int, items: list[str], rng: np.random.Generator,
+              split: str = "test") -> str:
     """``n`` words of filler with ``items`` between its sentences: prose from a seeded
-    sentence of *Persuasion* (cycling past its end), or the noise group repeated. An
-    unfinished last sentence stays last, so no item follows half a sentence."""
+    sentence of ``split``'s books (cycling past their end), or the noise group repeated.
+    An unfinished last sentence stays last, so no item follows half a sentence."""
     if kind == "essay":
-        source = _essay_words()
+        source = _essay_words(split)
         start = int(rng.integers(len(source)))
         while not _ends_sentence(source[start - 1]):
             start = (start + 1) % len(source)
@@ -199,8 +201,10 @@ def _join(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + ", and " + items[-1]
 
 
-def _niah(spec: Needles, rng: np.random.Generator, n: int, length: int) -> tuple[str, str, list[str]]:
-    """A needle task with ``n`` haystack units (words, or distractor needles)."""
+def _niah(spec: Needles, rng: np.random.Generator, n: int, length: int,
+          split: str = "test") -> tuple[str, str, list[str]]:
+    """A needle task with ``n`` haystack units (words, or distractor needles); an essay
+    haystack is prose of ``split``."""
     kind = spec.value[:-1]  # "number" or "uuid"
     keys = _distinct(lambda: _item(spec.key, rng), spec.keys)
     values = [_distinct(lambda: _item(spec.value, rng), spec.values) for _ in keys]
@@ -216,7 +220,7 @@ def _niah(spec: Needles, rng: np.random.Generator, n: int, length: int) -> tuple
             lines.insert(point + offset, needle)
         haystack = "\n".join(lines)
     else:
-        haystack = _haystack(spec.haystack, n, needles, rng)
+        haystack = _haystack(spec.haystack, n, needles, rng, split)
     plural = spec.values * spec.queries > 1
     query = _join([keys[i] for i in asked])
     context = NIAH_HEADER[plural].format(kind=kind) + haystack
@@ -299,14 +303,14 @@ def _fwe(rng: np.random.Generator, n: int, length: int) -> tuple[str, str, list[
     return FWE_HEADER + " ".join(text), FWE_QUESTION, codes[1:4]
 
 
-def _builder(task: str) -> tuple[Callable, int]:
+def _builder(task: str, split: str) -> tuple[Callable, int]:
     """``(build(rng, n, length), smallest n)`` of a task."""
     if task in NIAH:
-        return functools.partial(_niah, NIAH[task]), 0
+        return functools.partial(_niah, NIAH[task], split=split), 0
     return {"vt": (_vt, 0), "cwe": (_cwe, COMMON), "fwe": (_fwe, 0)}[task]
 
 
-def make_sample(task: str, length: int, index: int, tokenizer, seed: int = 0) -> dict:
+def make_sample(task: str, length: int, index: int, tokenizer, seed: int = 0, split: str = "test") -> dict:
     """One sample of ``task`` whose prompt fits ``length`` tokens of ``tokenizer``.
 
     The haystack is grown by bisection over its units (words, list entries or
@@ -321,6 +325,8 @@ def make_sample(task: str, length: int, index: int, tokenizer, seed: int = 0) ->
       index: which sample.
       tokenizer: any object with ``encode(str) -> sequence of ints``.
       seed: the run's seed.
+      split: the books of the essay haystacks: ``"test"`` (held out) for evaluation,
+        ``"train"`` for samples that pretrain an estimator.
 
     Returns:
       ``{task, length, index, seed, context, question, answers, max_new_tokens}``.
@@ -331,7 +337,8 @@ def make_sample(task: str, length: int, index: int, tokenizer, seed: int = 0) ->
     """
     require(task in TASKS, f"task must be one of {', '.join(TASKS)}, got {task!r}")
     length, index, seed = positive_int("length", length), nonneg_int("index", index), nonneg_int("seed", seed)
-    build, smallest = _builder(task)
+    require(split in ("train", "test"), f"split must be 'train' or 'test', got {split!r}")
+    build, smallest = _builder(task, split)
     draw = lambda n: build(_rng(seed, task, length, index), n, length)  # noqa: E731
     size = lambda n: sum(len(tokenizer.encode(part)) for part in draw(n)[:2])  # noqa: E731
     need = size(smallest)
