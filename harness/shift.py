@@ -308,12 +308,14 @@ def references(plan: ShiftPlan, progress: bool = True) -> list[dict]:
 
 
 class _Task(NamedTuple):
-    """One task's test examples: ``windows [N, T + 1]``, ``context`` (T) and
-    ``score(nll, hit)``, the per-example accuracy."""
+    """One task's test examples: ``windows [N, T + 1]``, ``context`` (T),
+    ``score(nll, hit)``, the per-example accuracy, and for RULER's tasks the answer's
+    targets ``[N, T]``."""
 
     windows: np.ndarray
     context: int
     score: Callable
+    answer: np.ndarray | None = None
 
 
 def _target(plan: ShiftPlan) -> tuple[object, dict[str, _Task]]:
@@ -335,7 +337,8 @@ def _target(plan: ShiftPlan) -> tuple[object, dict[str, _Task]]:
     for task in plan.tasks:
         parts = [forced_batch(task, plan.task_context, plan.examples, tokenizer, seed=seed) for seed in plan.seeds]
         batch = ForcedBatch(task, np.concatenate([b.tokens for b in parts]), np.concatenate([b.answer for b in parts]))
-        tasks[task] = _Task(batch.tokens, plan.task_context, lambda nll, hit, batch=batch: batch.accuracy(hit))
+        tasks[task] = _Task(batch.tokens, plan.task_context, lambda nll, hit, batch=batch: batch.accuracy(hit),
+                            batch.answer)
     return model, tasks
 
 

@@ -287,3 +287,19 @@ def test_an_overhead_goal_is_decided_by_the_interval_of_its_median(low, high, ve
     assert report.overhead_verdict(row, 0.03).startswith(verdict)
     assert report.overhead_verdict({"overhead": 0.0, "overhead_low": 0.0, "overhead_high": 0.0}, 0.03).startswith(
         "not decided")
+
+
+def test_shift_needle_finds_the_needle_and_counts_what_each_memory_holds():
+    from bench.shift_needle import needle_positions, retention
+    from flsmem.harness.ruler.forced import forced_window
+    from flsmem.models.data import ByteTokenizer
+
+    tokens, answer = forced_window("niah_single_2", 512, 0, ByteTokenizer(), seed=1)
+    needle = needle_positions(tokens, answer)
+    gold = bytes(tokens[1:][answer].astype(np.uint8)).decode()
+    assert bytes(tokens[needle].astype(np.uint8)).decode() == gold and needle[-1] < np.flatnonzero(answer)[0]
+    # Two layers, one window, three KV heads: all of it, three eighths, nothing.
+    held = np.full((2, 1, 3, 10), -1)
+    held[0, 0, 1, :len(needle)] = needle
+    held[1, 0, 2, :3] = needle[:3]
+    np.testing.assert_allclose(retention(held, [needle])[:, 0], [[0, 1, 0], [0, 0, 3 / len(needle)]])
