@@ -379,7 +379,8 @@ def recovered(rows: list[dict], rate: float, seed: int = 0) -> dict:
     gap = _values(rows, "in_family", None) - offline
 
     def ratio(a, b):
-        return float(a / b) if b else float("nan")
+        # A gap of 0 or below leaves nothing to recover: no ratio.
+        return float(a / b) if b > 0 else float("nan")
 
     per_seed = [ratio(g.mean(), d.mean()) for g, d in zip(gain, gap)]
     gains, gaps = _resampled(rows, [gain, gap], seed)
@@ -484,13 +485,20 @@ def format_report(rows: list[dict], reference_rows: list[dict] = ()) -> str:
         got = recovered(rows, rate)
         per_seed = np.asarray(got["per_seed"])
         spread = np.std(per_seed, ddof=1) if len(per_seed) > 1 else 0.0
-        lines.append(f"| {rate:g} | {shown(*got['gap'])} | {shown(*got['gain'])} | {shown(*got['ratio'], digits=2)} | "
-                     + ", ".join(f"{v:+.2f}" for v in per_seed) + f" | {np.mean(per_seed):+.2f} ± {spread:.2f} |")
+        # A ratio to a gap of 0 or below (none, or the shifted estimator ahead) means nothing.
+        positive = got["gap"][0] > 0
+        ratio = shown(*got["ratio"], digits=2) if positive else "n/a: no gap"
+        seeds = ", ".join("n/a" if np.isnan(v) else f"{v:+.2f}" for v in per_seed)
+        over_seeds = "n/a" if np.isnan(per_seed).any() else f"{np.mean(per_seed):+.2f} ± {spread:.2f}"
+        lines.append(f"| {rate:g} | {shown(*got['gap'])} | {shown(*got['gain'])} | {ratio} | {seeds} | {over_seeds} |")
         # A gap whose interval reaches 0 leaves nothing measurable to recover.
         measurable = got["gap"][1] > 0
-        checks.append((f"online {rate:g} recovers {got['ratio'][0]:+.2f} of the gap (goal >= 0.5)"
-                       + ("" if measurable else "; no measurable gap: its interval reaches 0"),
-                       measurable and got["ratio"][0] >= 0.5))
+        if positive:
+            text = (f"online {rate:g} recovers {got['ratio'][0]:+.2f} of the gap (goal >= 0.5)"
+                    + ("" if measurable else "; no measurable gap: its interval reaches 0"))
+        else:
+            text = f"online {rate:g}: no gap to recover (in_family - offline is {got['gap'][0]:+.4f}; goal >= 0.5 of it)"
+        checks.append((text, measurable and got["ratio"][0] >= 0.5))
     lines += ["", "## along the stream: each half of every task's stream (accuracy, pooled over tasks, budgets, "
                   "examples and seeds)", "",
               "| learning rate | half | shifted offline | shifted online | in_family offline | in_family online | "
@@ -505,8 +513,8 @@ def format_report(rows: list[dict], reference_rows: list[dict] = ()) -> str:
             cells = [offline[..., part].mean(), online[..., part].mean(), target[..., part].mean()]
             cells = [f"{v:.3f}" for v in cells]
             cells.append("" if target_online is None else f"{target_online[..., part].mean():.3f}")
-            ratio = (online - offline)[..., part].mean() / gap if gap else float("nan")
-            lines.append(f"| {rate:g} | {name} | " + " | ".join(cells) + f" | {ratio:+.2f} |")
+            ratio = f"{(online - offline)[..., part].mean() / gap:+.2f}" if gap > 0 else "n/a: no gap"
+            lines.append(f"| {rate:g} | {name} | " + " | ".join(cells) + f" | {ratio} |")
     if reference_rows:
         names = list(dict.fromkeys(r["policy"] for r in reference_rows))
         value = {(r["task"], r["fraction"], r["policy"]): r for r in reference_rows}
@@ -617,9 +625,11 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
         reference_rows = saved.get("references", [])
         order, batch = saved["plan"].get("order", "per-task"), saved["plan"]["batch"]
         family = saved["plan"].get("family", "tasks")
+        tasks, fractions = tuple(saved["plan"]["tasks"]), tuple(saved["plan"]["fractions"])
     else:
         begin = time.perf_counter()
         rows, optimizer, order, batch, family = run(plan), plan.optimizer, plan.order, plan.batch, plan.family
+        tasks, fractions = plan.tasks, plan.fractions
         reference_rows = references(plan)
         elapsed = time.perf_counter() - begin
         out.mkdir(parents=True, exist_ok=True)
@@ -629,6 +639,10 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
              + (f" --optimizer {optimizer}" if optimizer != "fresh" else "")
              + (f" --order {order}" if order != "per-task" else "")
              + (f" --batch {batch}" if batch != ShiftPlan.batch else ""))
+    if not args.quick:
+        default = RULER if family == "ruler" else {"tasks": ShiftPlan.tasks, "fractions": ShiftPlan.fractions}
+        flags += ((f" --tasks {','.join(tasks)}" if tasks != default["tasks"] else "")
+                  + (f" --fractions {','.join(map(_fraction, fractions))}" if fractions != default["fractions"] else ""))
     text = f"flsmem shift{flags} ({elapsed:.0f} s)\n\n" + format_report(rows, reference_rows)
     if base is not None:
         with checking("flsmem shift"):

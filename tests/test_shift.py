@@ -150,3 +150,23 @@ def test_reference_policies_are_reported_beside_the_estimators():
     assert "other policies" not in shift.format_report(rows)
     with pytest.raises(ValueError, match="references must be policy names"):
         shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), references=("h2o", "nonsense"))
+
+
+def test_no_ratio_is_printed_for_a_gap_of_zero_or_below():
+    rows = _rows({("shifted", None): [[0.5, 0.0], [0.0, 0.0]], ("shifted", 0.01): [[0.0, 0.0], [0.0, 0.0]],
+                  ("in_family", None): [[0.0, 0.0], [0.0, 0.0]]})
+    text = shift.format_report(rows)
+    assert "| n/a: no gap | n/a, n/a | n/a |" in text, text
+    assert "FAILS  online 0.01: no gap to recover (in_family - offline is -0.1250; goal >= 0.5 of it)" in text, text
+
+
+def test_a_render_names_the_family_tasks_and_budgets_it_ran(tmp_path):
+    import json
+
+    rows = _rows({("shifted", None): [[0.0, 0.5]], ("shifted", 0.01): [[0.5, 0.5]], ("in_family", None): [[1.0, 0.5]]})
+    plan = {"family": "ruler", "order": "interleaved", "batch": 8, "optimizer": "fresh",
+            "tasks": ["niah_single_1"], "fractions": [0.25]}
+    (tmp_path / "shift.json").write_text(json.dumps({"plan": plan, "seconds": 12.0, "rows": rows}))
+    shift.main(["--render", "--out", str(tmp_path)])
+    first = (tmp_path / "shift.txt").read_text().splitlines()[0]
+    assert first == "flsmem shift --family ruler --order interleaved --tasks niah_single_1 --fractions 1/4 (12 s)"
