@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from fractions import Fraction
 
 import numpy as np
@@ -57,9 +58,19 @@ def main(argv=None):
     parser.add_argument("--examples", type=int, default=24, help="samples per task (seed 0, the first ones)")
     parser.add_argument("--json", default="results/shift/smollm2/needle.json")
     args = parser.parse_args(argv)
+    try:
+        fraction = Fraction(args.fraction)
+    except (ValueError, ZeroDivisionError):
+        fraction = None
+    if fraction is None or not 0 < fraction < 1:
+        parser.error(f"--fraction must be a fraction in (0, 1) like 1/2, got {args.fraction!r}")
+    if args.examples < 1 or args.examples % 8:
+        parser.error(f"--examples must be a positive multiple of 8 (the experiment's requests), got {args.examples}")
+    if not os.path.isdir(os.path.dirname(args.json) or "."):
+        parser.error(f"--json must be in an existing folder, got {args.json!r}")
     plan = shift.ShiftPlan(**{k: v for k, v in shift.RULER.items() if k != "references"} | {
-        "fractions": (float(Fraction(args.fraction)),), "examples": args.examples, "family": "ruler"})
-    model, tasks = shift._target(plan)
+        "fractions": (float(fraction),), "examples": args.examples, "family": "ruler"})
+    model, tasks = shift.target_tasks(plan)
     budget = int(round(plan.fractions[0] * plan.task_context))
     candidates = [("h2o", None), ("oracle", None)]
     candidates += [(f"shifted[{i}]", path) for i, path in enumerate(plan.shifted)]

@@ -57,7 +57,7 @@ from tqdm.auto import tqdm
 from flsmem.harness.arguments import checking
 from flsmem.validate import require
 
-__all__ = ["ShiftPlan", "QUICK", "RULER", "stream", "run", "references", "recovered", "against", "format_report", "format_against", "main"]
+__all__ = ["ShiftPlan", "QUICK", "RULER", "stream", "run", "references", "target_tasks", "recovered", "against", "format_report", "format_against", "main"]
 
 CHUNK = 16
 RESAMPLES = 10_000
@@ -233,7 +233,7 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
     per-example accuracies."""
     from flsmem import estimator as E
 
-    model, settings = _target(plan)
+    model, settings = target_tasks(plan)
     estimators = [("shifted", i, path) for i, path in enumerate(plan.shifted)]
     estimators += [("in_family", i, path) for i, path in enumerate(plan.in_family)]
     starts = {path: _start(path, plan.optimizer) for _, _, path in estimators}
@@ -283,7 +283,7 @@ def references(plan: ShiftPlan, progress: bool = True) -> list[dict]:
 
     if not plan.references:
         return []
-    model, settings = _target(plan)
+    model, settings = target_tasks(plan)
     bar = tqdm(total=len(plan.tasks) * len(plan.fractions) * len(plan.references), desc="references",
                unit="policy", disable=not progress)
     rows = []
@@ -318,7 +318,7 @@ class _Task(NamedTuple):
     answer: np.ndarray | None = None
 
 
-def _target(plan: ShiftPlan) -> tuple[object, dict[str, _Task]]:
+def target_tasks(plan: ShiftPlan) -> tuple[object, dict[str, _Task]]:
     """The target family's model and each task's test examples (``plan.examples`` per
     seed of ``plan.seeds``, one seed after another)."""
     if plan.family == "tasks":

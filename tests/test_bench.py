@@ -303,3 +303,15 @@ def test_shift_needle_finds_the_needle_and_counts_what_each_memory_holds():
     held[0, 0, 1, :len(needle)] = needle
     held[1, 0, 2, :3] = needle[:3]
     np.testing.assert_allclose(retention(held, [needle])[:, 0], [[0, 1, 0], [0, 0, 3 / len(needle)]])
+
+
+@pytest.mark.parametrize("argv, message", [(["--fraction", "2"], "--fraction must be a fraction in (0, 1)"),
+                                           (["--fraction", "half"], "--fraction"),
+                                           (["--examples", "12"], "--examples must be a positive multiple of 8"),
+                                           (["--json", "no/such/folder/needle.json"], "--json")])
+def test_shift_needle_refuses_a_bad_command_line_before_any_work(argv, message, capsys):
+    from bench import shift_needle
+
+    with pytest.raises(SystemExit) as exit_:
+        shift_needle.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

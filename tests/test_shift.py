@@ -127,7 +127,7 @@ def test_the_ruler_family_serves_smollm2_teacher_forced_needle_tasks():
     real_model_file(smollm2.gguf_path)
     plan = shift.ShiftPlan((str(ESTIMATOR_DIR),), (str(ESTIMATOR_DIR),), family="ruler",
                            tasks=("niah_single_2",), seeds=(0, 1), examples=2, batch=2)
-    _, tasks = shift._target(plan)
+    _, tasks = shift.target_tasks(plan)
     task = tasks["niah_single_2"]
     assert task.windows.shape == (4, 257) and task.context == 256
     # The examples of each seed in turn, and the gold answer scores 1 where it is predicted.

@@ -86,6 +86,7 @@ def forced_window(task: str, length: int, index: int, tokenizer, seed: int = 0,
 def forced_batch(task: str, length: int, count: int, tokenizer, seed: int = 0, split: str = "test",
                  first: int = 0) -> ForcedBatch:
     """Samples ``first .. first + count - 1`` of ``task`` as a :class:`ForcedBatch`."""
+    require(isinstance(count, int) and count >= 1, f"count must be an int >= 1, got {count!r}")
     rows = [forced_window(task, length, index, tokenizer, seed=seed, split=split)
             for index in range(first, first + count)]
     return ForcedBatch(task, np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
