@@ -96,6 +96,41 @@ def test_targets_name_each_check():
     assert [ok for _, ok in L.targets(rows)] == [True, False, False]
 
 
+def test_seeds_report_gives_each_seed_its_mean_and_margins_over_its_own_run(tmp_path, capsys):
+    import json
+
+    def run(learned, h2o, nll):
+        return [_row("repeat", "learned", 0.125, learned), _row("repeat", "learned_offline", 0.125, learned),
+                _row("repeat", "rmm", 0.125, 0.5), _row("repeat", "h2o", 0.125, h2o),
+                _row("text:tiny", "full", 1.0, 2.0, "nll"), _row("text:tiny", "learned", 0.125, nll, "nll"),
+                _row("text:tiny", "h2o", 0.125, 2.1, "nll")]
+
+    runs = {"a": run(0.9, 0.8, 2.05), "b": run(0.7, 0.8, 2.15), "c": run(0.8, 0.8, 2.1)}
+    text = L.format_seeds(runs)
+    assert "over 3 pretraining seeds" in text
+    assert "learned          B=1/8   +0.8000 ± 0.1000  (+0.9000 +0.7000 +0.8000)" in text
+    # Margins per seed against its own run: accuracy higher is better, NLL lower is better.
+    assert "learned - h2o    B=1/8   +0.0000 ± 0.1000  (+0.1000 -0.1000 +0.0000)  1 of 3 seeds better" in text
+    assert "learned - rmm    B=1/8   +0.3000 ± 0.1000  (+0.4000 +0.2000 +0.3000)  3 of 3 seeds better" in text
+    assert "learned          B=1/8   +0.1000 ± 0.0500  (+0.0500 +0.1500 +0.1000)" in text  # NLL increase
+    assert "1 of 3 seeds better" in text.split("text:tiny")[1]
+    assert "differ between the runs by at most 0" in text
+    runs["c"][3]["value"] = 0.75  # c's h2o: the runs' heuristics disagree by 0.05
+    assert "differ between the runs by at most 0.05" in L.format_seeds(runs)
+
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "learned.json").write_text(json.dumps({"rows": rows}))
+    L.main(["--seeds", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "out")])
+    assert "over 2 pretraining seeds" in (tmp_path / "out" / "seeds.txt").read_text()
+    capsys.readouterr()
+    for argv, named in ((["--seeds", str(tmp_path / "a")], "at least two"),
+                        (["--seeds", str(tmp_path / "a"), str(tmp_path / "none")], "learned.json")):
+        with pytest.raises(SystemExit) as stop:
+            L.main(argv + ["--out", str(tmp_path / "out")])
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
 def test_a_stop_request_saves_and_the_same_command_resumes(tmp_path):
     asked = []
 
@@ -125,3 +160,20 @@ def test_the_ruler_source_draws_teacher_forced_needle_tasks_of_the_training_book
     # Each window ends with an answer of the needle task it holds, then its period.
     text = [source.tokenizer.decode(row.tolist()) for row in first]
     assert all(t.endswith(".") and "The hidden" in t for t in text)
+
+
+def test_the_gemma3_source_draws_gemma_tokens_of_the_training_books(tmp_path):
+    from real_models import real_model_file
+
+    from flsmem.models import gemma3
+    from flsmem.models.data import load_split
+
+    real_model_file(gemma3.gguf_path)
+    source = T._Source("gemma3", _options(tmp_path, sources=("gemma3",), windows=8, text_context=64))
+    assert source.model.cfg.vocab_size == source.tokenizer.vocab_size > 200_000  # Gemma's, not SmolLM2's
+    first = source.draw(np.random.default_rng([0, 1]))
+    assert first.shape == (2, 65) and first.max() < source.model.cfg.vocab_size  # 64 inputs and the last target
+    np.testing.assert_array_equal(first, source.draw(np.random.default_rng([0, 1])))
+    # Each window is Gemma's tokens of a stretch of the training books.
+    train = load_split("train")
+    assert all(source.tokenizer.decode(row.tolist())[8:-8] in train for row in first)

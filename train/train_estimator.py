@@ -9,7 +9,8 @@ run sees: batches of training-split windows are streamed through a model under t
 mature, and what it learned is carried to the next batch
 (:func:`flsmem.estimator.carry_over`, the layers' copies averaged). Sources take
 turns: the task model on the controlled tasks (``tasks``), the tiny model on prose
-(``tiny``), SmolLM2-135M on prose (``smollm2``) and SmolLM2 on RULER's needle tasks,
+(``tiny``), SmolLM2-135M and Gemma 3 270M on prose (``smollm2``, ``gemma3``) and SmolLM2
+on RULER's needle tasks,
 teacher-forced (``ruler``: :mod:`flsmem.harness.ruler.forced`, haystacks of the
 training split, seeds no evaluation uses); budgets take turns too, and a
 budget of 1 (the whole window, nothing evicted) gives every slot its label, where
@@ -49,7 +50,7 @@ from flsmem.train.resumable import Checkpoints, stop_on_sigterm
 
 __all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
 
-SOURCES = ("tasks", "tiny", "smollm2", "ruler")
+SOURCES = ("tasks", "tiny", "smollm2", "gemma3", "ruler")
 # Seeds of the RULER samples that pretraining draws: evaluations use seeds below this.
 RULER_SEEDS = 2**20
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_estimator"
@@ -73,7 +74,7 @@ class EstimatorOptions:
         the labels cover what a good memory holds; None lets the estimator decide.
       recent: the recent window, as a fraction of the budget (the harness gives the
         learned policy half the budget, as it gives h2o and rmm).
-      windows: windows per batch (tiny models); SmolLM2 streams a quarter as many.
+      windows: windows per batch (tiny models); the real models stream a quarter as many.
       task_context, text_context: tokens per window of the tasks and of the prose.
       seed: seeds the fresh network and the data.
       workdir, resume, save_every, keep: orbax checkpoints, as in train_decoder.
@@ -155,11 +156,11 @@ class _Source:
             self.model = load_tiny()[0]
             self.tokens, self.context, self.count = ByteTokenizer().encode(text), options.text_context, options.windows
         else:
-            from flsmem.models.smollm2 import load_smollm2
+            from flsmem.models import catalog
 
-            self.model, self.tokenizer = load_smollm2()
+            self.model, self.tokenizer = catalog.load("gemma3-270m" if name == "gemma3" else "smollm2-135m")
             self.context, self.count = options.text_context, max(1, options.windows // 4)
-            if name == "smollm2":
+            if name in ("smollm2", "gemma3"):
                 self.tokens = np.asarray(self.tokenizer.encode(text), np.int32)
             else:
                 from flsmem.harness.ruler.forced import fits
@@ -309,7 +310,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="Adam step size")
     p.add_argument("--hidden", type=int, default=d.hidden, help="network width")
     p.add_argument("--recent", type=float, default=d.recent, help="recent window, as a fraction of the budget")
-    p.add_argument("--windows", type=int, default=d.windows, help="windows per batch (SmolLM2: a quarter)")
+    p.add_argument("--windows", type=int, default=d.windows, help="windows per batch (real models: a quarter)")
     p.add_argument("--task-context", type=int, default=d.task_context, help="tokens per task window")
     p.add_argument("--text-context", type=int, default=d.text_context, help="tokens per prose window")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the fresh network and the data")
