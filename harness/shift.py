@@ -228,12 +228,13 @@ def _variants(plan: ShiftPlan) -> list[float | None]:
     return [None, *plan.learning_rates]
 
 
-def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
+def run(plan: ShiftPlan, progress: bool = True, targets: tuple | None = None) -> list[dict]:
     """Every variant of every estimator on every task and budget, as rows with the
-    per-example accuracies."""
+    per-example accuracies (``targets``: :func:`target_tasks` of the plan, made here
+    when not given)."""
     from flsmem import estimator as E
 
-    model, settings = target_tasks(plan)
+    model, settings = targets or target_tasks(plan)
     estimators = [("shifted", i, path) for i, path in enumerate(plan.shifted)]
     estimators += [("in_family", i, path) for i, path in enumerate(plan.in_family)]
     starts = {path: _start(path, plan.optimizer) for _, _, path in estimators}
@@ -275,15 +276,15 @@ def run(plan: ShiftPlan, progress: bool = True) -> list[dict]:
     return rows
 
 
-def references(plan: ShiftPlan, progress: bool = True) -> list[dict]:
-    """``plan.references`` on the same examples and budgets as :func:`run`, each
-    request served on its own (no policy here carries anything between requests), as
-    rows ``{task, fraction, budget, policy, value, per_example}``."""
+def references(plan: ShiftPlan, progress: bool = True, targets: tuple | None = None) -> list[dict]:
+    """``plan.references`` on the same examples and budgets as :func:`run` (``targets``
+    as there), each request served on its own (no policy here carries anything between
+    requests), as rows ``{task, fraction, budget, policy, value, per_example}``."""
     from flsmem.harness.evaluate import evaluate_windows, future_attention, make_policy
 
     if not plan.references:
         return []
-    model, settings = target_tasks(plan)
+    model, settings = targets or target_tasks(plan)
     bar = tqdm(total=len(plan.tasks) * len(plan.fractions) * len(plan.references), desc="references",
                unit="policy", disable=not progress)
     rows = []
@@ -628,9 +629,11 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
         tasks, fractions = tuple(saved["plan"]["tasks"]), tuple(saved["plan"]["fractions"])
     else:
         begin = time.perf_counter()
-        rows, optimizer, order, batch, family = run(plan), plan.optimizer, plan.order, plan.batch, plan.family
+        targets = target_tasks(plan)  # the model and examples, loaded once for both
+        rows = run(plan, targets=targets)
+        reference_rows = references(plan, targets=targets)
+        optimizer, order, batch, family = plan.optimizer, plan.order, plan.batch, plan.family
         tasks, fractions = plan.tasks, plan.fractions
-        reference_rows = references(plan)
         elapsed = time.perf_counter() - begin
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(

@@ -170,3 +170,13 @@ def test_a_render_names_the_family_tasks_and_budgets_it_ran(tmp_path):
     shift.main(["--render", "--out", str(tmp_path)])
     first = (tmp_path / "shift.txt").read_text().splitlines()[0]
     assert first == "flsmem shift --family ruler --order interleaved --tasks niah_single_1 --fractions 1/4 (12 s)"
+
+
+def test_a_run_loads_the_target_model_and_examples_once_for_the_estimators_and_the_references(tmp_path, monkeypatch):
+    loaded, given = [], []
+    monkeypatch.setattr(shift, "target_tasks", lambda plan: loaded.append(plan) or ("model", {"task": "examples"}))
+    monkeypatch.setattr(shift, "run", lambda plan, targets=None: given.append(targets) or [])
+    monkeypatch.setattr(shift, "references", lambda plan, targets=None: given.append(targets) or [])
+    monkeypatch.setattr(shift, "format_report", lambda rows, reference_rows=(): "report")
+    shift.main(["--quick", "--out", str(tmp_path)])
+    assert len(loaded) == 1 and given == [("model", {"task": "examples"})] * 2
