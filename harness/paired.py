@@ -22,6 +22,14 @@ difference of the seeds' mean NLL per window from the second policy's, with its
 interval over windows. The runs must hold the same windows (their full-cache NLL per
 window must agree).
 
+Two recipes, each pretrained with several seeds, are compared by giving the second
+recipe's runs as ``--against-seeds``: the second policy of each pair is then their mean
+per window, as the first is over ``--seeds``:
+
+    python -m flsmem.harness.paired results/adaptive/gemma3/stream.json "learned-learned" \
+        --seeds results/adaptive/gemma3/stream-learned-gemma3-{0,1,2,3}.json \
+        --against-seeds results/adaptive/gemma3/stream-learned-general-{0,1,2,3}.json
+
 A policy measured later, in a run of its own on the same windows, is compared with
 the main run's policies by joining its rows to them (``--join``): the pairs are then
 read as from one run.
@@ -126,10 +134,22 @@ def table(run: dict, pairs: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) -> str:
+def _mean_row(runs: list[dict], policy: str, budget: int) -> dict | None:
+    """A policy's NLL and per-window NLL at ``budget``, averaged over ``runs`` (None
+    where a run lacks it)."""
+    rows = [_by_policy(r).get((policy, budget)) for r in runs]
+    if any(row is None for row in rows):
+        return None
+    return {"nll": float(np.mean([row["nll"] for row in rows])),
+            "window_nll": list(np.mean([row["window_nll"] for row in rows], axis=0))}
+
+
+def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]],
+                against_runs: list[dict] | None = None) -> str:
     """Markdown rows ``| first − second | budget | first's increase over full per seed |
     mean ± sd | difference of the seeds' mean [95% interval] | seeds better |``: the first
-    policy of each pair from every run of ``seed_runs``, the second from ``run``.
+    policy of each pair from every run of ``seed_runs``, the second from ``run`` or, when
+    ``against_runs`` are given, their mean (a seed is better when it beats that mean).
 
     Raises:
       ValueError: a seed run holds other windows than ``run``, or lacks a policy.
@@ -139,12 +159,14 @@ def seeds_table(run: dict, seed_runs: list[dict], pairs: list[tuple[str, str]]) 
     seeds = [_by_policy(r) for r in seed_runs]
     for i, r in enumerate(seed_runs):
         _check_same_windows(run, r, f"--seeds run {i + 1}")
+    for i, r in enumerate(against_runs or []):
+        _check_same_windows(run, r, f"--against-seeds run {i + 1}")
     budgets = sorted({row["budget"] for row in run["rows"] if row["policy"] != "full"})
     lines = ["| pair | budget | increase over full, per seed | mean ± sd | difference of the seeds' mean | "
              "95% interval | seeds better |", "|---|---|---|---|---|---|---|"]
     for first, second in pairs:
         for budget in budgets:
-            theirs = base.get((second, budget))
+            theirs = _mean_row(against_runs, second, budget) if against_runs else base.get((second, budget))
             ours = [s.get((first, budget)) for s in seeds]
             if theirs is None or any(o is None for o in ours):
                 continue
@@ -212,6 +234,9 @@ def main(argv=None) -> None:
                         help="FIRST-SECOND policy names, as in adakv(h2o)-h2o; with --ratio-to, policy names")
     parser.add_argument("--seeds", nargs="+", default=None, metavar="JSON",
                         help="runs of one seed each: the first policy of each pair is read from them")
+    parser.add_argument("--against-seeds", nargs="+", default=None, metavar="JSON",
+                        help="with --seeds, runs of one seed each of another recipe: the second policy of each "
+                             "pair is their mean")
     parser.add_argument("--join", nargs="+", default=[], metavar="JSON",
                         help="runs on the same windows whose policies are added to the main run's")
     parser.add_argument("--ratio-to", type=_names, default=None, metavar="POLICIES",
@@ -219,6 +244,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.ratio_to is not None and args.seeds is not None:
         parser.error("--ratio-to reads one run (and the runs it joins), not --seeds")
+    if args.against_seeds is not None and args.seeds is None:
+        parser.error("--against-seeds needs --seeds: it gives the second policy of a pair that --seeds gives the first")
     try:
         pairs = None if args.ratio_to is not None else [_pair(text) for text in args.pairs]
     except argparse.ArgumentTypeError as error:
@@ -237,11 +264,13 @@ def main(argv=None) -> None:
         if args.seeds is None:
             print(table(run, pairs))
             return
-        seed_runs = []
+        seed_runs, against_runs = [], []
         for current in args.seeds:
             seed_runs.append(json.loads(Path(current).read_text()))
+        for current in args.against_seeds or []:
+            against_runs.append(json.loads(Path(current).read_text()))
         current = args.run
-        print(seeds_table(run, seed_runs, pairs))
+        print(seeds_table(run, seed_runs, pairs, against_runs or None))
     except (OSError, ValueError, KeyError) as error:
         print(f"paired: error: {current}: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -339,8 +339,8 @@ def test_paired_differences_pair_windows():
     assert lines[2].startswith("| adakv(h2o) − h2o | 8 | -0.2500 |") and lines[2].endswith("| 1 of 2 |")
 
 
-def test_seeds_table_averages_the_seeds_runs_window_by_window():
-    from flsmem.harness.paired import seeds_table
+def test_seeds_table_averages_the_seeds_runs_window_by_window(capsys):
+    from flsmem.harness.paired import main, seeds_table
 
     full = {"policy": "full", "budget": 32, "nll": 1.0, "window_nll": [1.0, 1.0]}
     run = {"rows": [full, {"policy": "h2o", "budget": 8, "nll": 1.5, "window_nll": [1.5, 1.5]}]}
@@ -356,6 +356,16 @@ def test_seeds_table_averages_the_seeds_runs_window_by_window():
     other = {"rows": [{**full, "window_nll": [1.0, 1.1]}, seed(1.1, 1.3)["rows"][1]]}
     with pytest.raises(ValueError, match="other windows"):
         seeds_table(run, [other], [("learned", "h2o")])
+    # Against another recipe's seeds: their mean per window is [1.3, 1.5] (NLL 1.4).
+    line = seeds_table(run, [seed(1.1, 1.3), seed(1.3, 1.9)], [("learned", "learned")],
+                       [seed(1.2, 1.4), seed(1.4, 1.6)]).splitlines()[2]
+    assert line.startswith("| learned − learned | 8 | +0.2000, +0.6000 | +0.4000 ± 0.2828 | +0.0000 |"), line
+    assert line.endswith("| 1 of 2 |")  # 1.2 < 1.4; 1.6 is not
+    with pytest.raises(ValueError, match="--against-seeds run 1 holds other windows"):
+        seeds_table(run, [seed(1.1, 1.3)], [("learned", "learned")], [other])
+    with pytest.raises(SystemExit) as stop:
+        main(["run.json", "learned-learned", "--against-seeds", "other.json"])
+    assert stop.value.code == 2 and "--against-seeds needs --seeds" in capsys.readouterr().err
 
 
 def test_join_adds_a_later_runs_policies_on_the_same_windows(tmp_path, capsys):
