@@ -149,6 +149,10 @@ def format_seeds(runs: dict[str, list[dict]]) -> str:
                              f"± {np.std(margins, ddof=1):.4f}  ({' '.join(_signed(m) for m in margins)})  "
                              f"{better} of {len(names)} seeds better")
         lines.append("")
+    held = {name: targets(rows) for name, rows in runs.items()}
+    lines.append("target (learned above rmm and h2o on repeat and chain at every budget; on prose at 1/8 "
+                 "within 1% of the best heuristic's NLL), checks that hold per seed: "
+                 + ", ".join(f"{name} {sum(ok for _, ok in checks)} of {len(checks)}" for name, checks in held.items()))
     spread = max((abs(maps[a][key]["value"] - maps[b][key]["value"]) for key in shared
                   if key[1] in HEURISTICS + ("full",) for a in names for b in names), default=0.0)
     lines.append(f"the heuristics' and the full cache's figures differ between the runs by at most {spread:.2g}")

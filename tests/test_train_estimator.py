@@ -115,6 +115,8 @@ def test_seeds_report_gives_each_seed_its_mean_and_margins_over_its_own_run(tmp_
     assert "learned          B=1/8   +0.1000 ± 0.0500  (+0.0500 +0.1500 +0.1000)" in text  # NLL increase
     assert "1 of 3 seeds better" in text.split("text:tiny")[1]
     assert "differ between the runs by at most 0" in text
+    # repeat at 1/8 above rmm and h2o, and prose within 1% of h2o's 2.1 (2.121): a 3, b 1, c 2.
+    assert "checks that hold per seed: a 3 of 3, b 1 of 3, c 2 of 3" in text
     runs["c"][3]["value"] = 0.75  # c's h2o: the runs' heuristics disagree by 0.05
     assert "differ between the runs by at most 0.05" in L.format_seeds(runs)
 
