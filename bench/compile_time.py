@@ -91,7 +91,7 @@ def _folded(memories: flsmem.MemoryState) -> flsmem.MemoryState:
     """Stacked memories ``[L, B, ...]`` as the one memory of ``L * B`` rows that
     ``flsmem.update_layers`` runs a step on (the payload left out, as it leaves it). The
     library's own fold, so that a policy state the rows share keeps its layer axis."""
-    flat, _, _ = layers._fold_layers(memories.replace(payload=None))
+    flat, _, _ = layers.fold_layers(memories.replace(payload=None))
     return flat
 
 

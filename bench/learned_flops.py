@@ -71,7 +71,7 @@ def network_flops(policy, slots: int) -> tuple[float, float]:
         return float(jax.jit(fn).lower(*args).compile().cost_analysis()["flops"])
 
     forward = cost(network.predict, params, x)
-    learn = cost(lambda learned, x, g, h: labels._fit_one(policy, learned, x, g, h), learned, x, gathered, held)
+    learn = cost(lambda learned, x, g, h: labels.fit_one(policy, learned, x, g, h), learned, x, gathered, held)
     return forward, learn
 
 

@@ -130,7 +130,8 @@ def evict(state: MemoryState, budget: int | None = None) -> MemoryState:
             keep = top(rank, target + n_waiting, state.birth,
                        config.capacity - config.budget if budget is None else None)
         else:
-            keep = _shared_by_heads(rank, state.birth, target, n_waiting, head_budget, top)
+            keep = _shared_by_heads(rank, state.birth, target, n_waiting, head_budget, top, ~state.valid, due,
+                                    config.capacity - config.head_share if budget is None else None)
         evicted = state.valid & ~keep & due[..., None]
         ages = age(state).astype(jnp.float32)
         stats = state.stats
@@ -154,17 +155,65 @@ def _is_traced_count(budget) -> bool:
     return isinstance(budget, jax.Array) and jnp.ndim(budget) == 0 and jnp.issubdtype(budget.dtype, jnp.integer)
 
 
-def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top):
+def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top, free, due, max_arrived):
     """AdaKV's selection: each sequence keeps the ``K * target`` highest priorities over
     its K heads, after each head's top ``int(floor * target)`` are made safe and what
     lies beyond its top ``ceil(ceiling * target)`` is excluded. Items still to arrive
-    are kept on top, in their own head."""
+    are kept on top, in their own head.
+
+    ``max_arrived``: on schedule, the most items a head takes in between two
+    evictions; None off schedule. Then the selection is first tried without sorting
+    (:func:`_joint_when_within`), and the exact three passes, each a sort of every
+    row, run only for a due sequence where that does not give it."""
     b, k, s = rank.shape
-    held = rank > -jnp.inf  # a head with fewer items than its floor must not spend the rest on free slots
-    floor = jnp.floor(head_budget.floor * target).astype(jnp.int32)
-    ceiling = jnp.ceil(head_budget.ceiling * target).astype(jnp.int32)
-    safe = top(rank, floor + n_waiting, birth) & held
-    allowed = top(rank, ceiling + n_waiting, birth)
-    joint = jnp.where(safe, jnp.inf, jnp.where(allowed, rank, -jnp.inf))
+
+    def exact(_):
+        held = rank > -jnp.inf  # a head with fewer items than its floor must not spend the rest on free slots
+        safe = top(rank, _floor(head_budget, target) + n_waiting, birth) & held
+        allowed = top(rank, _ceiling(head_budget, target) + n_waiting, birth)
+        joint = jnp.where(safe, jnp.inf, jnp.where(allowed, rank, -jnp.inf))
+        kept = k * target + jnp.sum(n_waiting, axis=-1)
+        return top(joint.reshape(b, k * s), kept, birth.reshape(b, k * s)).reshape(b, k, s)
+
+    if max_arrived is None:
+        return exact(None)
+    keep, exact_already = _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free,
+                                             k * max_arrived)
+    return lax.cond(jnp.all(exact_already | ~due[:, 0]), lambda _: keep, exact, None)
+
+
+def _floor(head_budget, target):
+    return jnp.floor(head_budget.floor * target).astype(jnp.int32)
+
+
+def _ceiling(head_budget, target):
+    return jnp.ceil(head_budget.ceiling * target).astype(jnp.int32)
+
+
+def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, max_dropped):
+    """AdaKV's selection where no floor and no ceiling binds, found without a sort.
+
+    The plain top over a sequence's heads leaves out only the lowest items it holds:
+    with free slots lifted above every item, a ``top`` that leaves out at most
+    ``max_dropped`` entries per row finds them. That selection keeps a prefix of each
+    head's own order (the joint order restricted to a head is the head's order), so
+    where it holds each head's floor and stays within its ceiling, making the floor
+    safe and cutting at the ceiling change nothing: it is the exact selection.
+
+    Returns the mask ``[B, K, S]`` and, per sequence, whether it is the exact one: every
+    slot in use ranks above -inf, the items left out are no more than those ranked
+    below +inf (so neither a free slot nor a +inf item is among them), and every head
+    keeps between its floor (or all it holds) and its ceiling."""
+    b, k, s = rank.shape
+    used = ~free
     kept = k * target + jnp.sum(n_waiting, axis=-1)
-    return top(joint.reshape(b, k * s), kept, birth.reshape(b, k * s)).reshape(b, k, s)
+    n_free = count(free, axis=(1, 2))
+    dropped = k * s - n_free - kept
+    lifted = jnp.where(free, jnp.inf, rank).reshape(b, k * s)
+    keep = top(lifted, kept + n_free, birth.reshape(b, k * s), max_dropped).reshape(b, k, s) & used
+    per_head = count(keep)
+    within = ((per_head >= jnp.minimum(_floor(head_budget, target) + n_waiting, count(used)))
+              & (per_head <= _ceiling(head_budget, target) + n_waiting))
+    plain = ((dropped >= 0) & (dropped <= count(used & (rank < jnp.inf), axis=(1, 2)))
+             & ~jnp.any(used & (rank == -jnp.inf), axis=(1, 2)))
+    return keep, plain & jnp.all(within, axis=-1)

@@ -25,7 +25,7 @@ from flsmem.typing import Array, Bool, Float, Int
 from flsmem.update import update
 from flsmem.write import write_slots
 
-__all__ = ["init_kv", "is_stacked", "place", "update_layers", "observe_layers"]
+__all__ = ["init_kv", "is_stacked", "place", "update_layers", "observe_layers", "fold_layers"]
 
 
 def init_kv(
@@ -72,7 +72,7 @@ def _shared(memories: MemoryState):
     return jax.tree.map(lambda spec: "batch" not in spec, specs)
 
 
-def _fold_layers(memories: MemoryState):
+def fold_layers(memories: MemoryState):
     """``(flat, unfold, unfold_state)``: the L layers of B sequences as one memory of
     L * B sequences (row ``l * B + b`` is sequence b of layer l), the inverse map for
     arrays of rows, and the inverse for the memory.
@@ -121,7 +121,7 @@ def place(
                       f"{memories.config.policy.name} reads it: let flsmem.attend place each layer")
     depth = memories.step.shape[0]
     t = jnp.shape(position)[-1]
-    flat, unfold, unfold_state = _fold_layers(memories)
+    flat, unfold, unfold_state = fold_layers(memories)
     # The payload is read for its shapes only: nothing computed from these zeros is kept.
     items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
     flat, target = write_slots(flat, items, jnp.tile(jnp.asarray(position), (depth, 1)))
@@ -221,7 +221,7 @@ def _update_one_query(memories, attention, correctness, future):
     eviction (due in every layer at the same steps) instead of one per layer.
     """
     depth = memories.step.shape[0]
-    flat, _, unfold_state = _fold_layers(memories)
+    flat, _, unfold_state = fold_layers(memories)
     fold = lambda x: None if x is None else x.reshape((-1,) + x.shape[2:])  # noqa: E731
     if correctness is not None:
         correctness = jnp.tile(jnp.asarray(correctness), depth)  # row l * B + b is sequence b

@@ -37,7 +37,7 @@ from flsmem.estimator.network import predict
 from flsmem.policies import Policy, SlotView
 from flsmem.typing import Array, Float, PyTree
 
-__all__ = ["carry_over", "flush"]
+__all__ = ["carry_over", "flush", "fit_one"]
 
 # The per-row state of the snapshots in flight, each with an [M] axis after the rows
 # when M > 1.
@@ -153,10 +153,14 @@ def _fit(policy, learned, snapshot, gathered, held, g):
     ``held`` slots of its rows (every axis but the features pooled), with ``g`` groups
     of rows as :func:`groups` gives them; a non-finite step is skipped and counted, and
     a step with no slot to label is not taken."""
-    return per_group(functools.partial(_fit_one, policy), g, learned, snapshot, gathered, held)
+    return per_group(functools.partial(fit_one, policy), g, learned, snapshot, gathered, held)
 
 
-def _fit_one(policy, learned, snapshot, gathered, held):
+def fit_one(policy, learned, snapshot, gathered, held):
+    """One optimizer step of one network (``learned``, the :data:`_LEARNED` entries of
+    one group of rows) on its prediction error over the ``held`` slots of
+    ``snapshot``, labelled from ``gathered``; what :func:`_fit` runs per group, public
+    so that its cost can be counted alone (``bench.learned_flops``)."""
     held = _whole(held)
     label = _whole(jnp.log1p(jnp.maximum(gathered, 0.0)))
     snapshot = _whole(snapshot)
