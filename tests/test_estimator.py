@@ -493,10 +493,17 @@ def test_stacked_layers_fold_into_rows_and_each_keeps_its_own_network():
         np.testing.assert_allclose(np.where(folded.valid, folded.score, 0), np.where(memory.valid, memory.score, 0),
                                    rtol=1e-5, atol=1e-5)
         assert int(folded.aux["updates"]) == int(memory.aux["updates"]) > 0
+        # The folded update sums a layer's gradient in another order (a product batched
+        # over the layers), and Adam divides each step by the root of its second
+        # moment, so float32 rounding reaches a few 1e-5 in the parameters after ten
+        # steps, more on some CPUs than on others. The two layers'
+        # networks differ by about 7e-2 (checked below): a network shared between
+        # them, or one layer learning from the other's rows, would not pass.
         for a, b in zip(jax.tree.leaves(folded.aux["params"]), jax.tree.leaves(memory.aux["params"])):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     # The layers saw different streams: their networks learnt different things.
-    assert not np.allclose(stacked.aux["params"]["inner"]["kernel"][0], stacked.aux["params"]["inner"]["kernel"][1])
+    between = np.abs(stacked.aux["params"]["inner"]["kernel"][0] - stacked.aux["params"]["inner"]["kernel"][1])
+    assert between.max() > 100 * 1e-4
 
 
 def test_from_checkpoint_reads_snapshots_and_defaults_to_one(tmp_path):
