@@ -201,7 +201,7 @@ def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, m
     safe and cutting at the ceiling change nothing: it is the exact selection.
 
     Returns the mask ``[B, K, S]`` and, per sequence, whether it is the exact one: every
-    slot in use ranks above -inf, the items left out are no more than those ranked
+    slot in use ranks above -inf (and is not NaN, which ranks below it), the items left out are no more than those ranked
     below +inf (so neither a free slot nor a +inf item is among them), and every head
     keeps between its floor (or all it holds) and its ceiling."""
     b, k, s = rank.shape
@@ -215,5 +215,5 @@ def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, m
     within = ((per_head >= jnp.minimum(_floor(head_budget, target) + n_waiting, count(used)))
               & (per_head <= _ceiling(head_budget, target) + n_waiting))
     plain = ((dropped >= 0) & (dropped <= count(used & (rank < jnp.inf), axis=(1, 2)))
-             & ~jnp.any(used & (rank == -jnp.inf), axis=(1, 2)))
+             & jnp.all(~used | (rank > -jnp.inf), axis=(1, 2)))  # no -inf and no NaN
     return keep, plain & jnp.all(within, axis=-1)

@@ -152,7 +152,9 @@ def test_adakv_selection_without_a_sort_is_exact_wherever_it_says_so():
     # Mostly protected in a tenth of the sequences: more to leave out than is unprotected.
     protected = used & (rng.random((b, k, s)) < np.where(rng.random((b, 1, 1)) < 0.1, 0.8, 0.15))
     score = rng.choice([0.0, 0.5, 1.0], (b, k, s)) + rng.choice([0.0, 1e-3], (b, k, s)) * rng.random((b, k, s))
-    score = np.where(rng.random((b, k, s)) < 0.01, -np.inf, score)  # an item may score -inf
+    # An item may score -inf or NaN (both rank with or below the free slots).
+    score = np.where(rng.random((b, k, s)) < 0.01, -np.inf, score)
+    score = np.where(rng.random((b, k, s)) < 0.005, np.nan, score)
     rank = np.where(used, np.where(protected, np.inf, score), -np.inf).astype(np.float32)
     birth = rng.integers(0, 8, (b, k, s)).astype(np.int32)
     n_waiting = np.minimum(rng.integers(0, 2, (b, k)), protected.sum(-1)).astype(np.int32)
@@ -170,15 +172,16 @@ def test_adakv_selection_without_a_sort_is_exact_wherever_it_says_so():
     np.testing.assert_array_equal(fast[claims], exact[claims])
     # Where it does not claim to, it often differs (the floor or ceiling binds).
     assert (fast[~claims] != exact[~claims]).any(axis=(1, 2)).sum() > 20
-    # By hand: an item scored -inf ties with the free slots, which the exact selection
-    # may keep before it (a free slot born later); that is not claimed.
-    rank = np.full((1, 2, 4), -np.inf, np.float32)
-    rank[0, 0, 0] = 5.0
-    used = np.zeros((1, 2, 4), bool)
-    used[0, 0, :2] = used[0, 1, 0] = True
-    birth = np.where(used, 0, 9).astype(np.int32)
-    args = (jnp.asarray(rank), jnp.asarray(birth), 1, jnp.zeros((1, 2), jnp.int32), P.HeadBudget(0.0, 2.0), top)
-    exact = np.asarray(_shared_by_heads(*args, jnp.asarray(~used), None, None))
-    fast, claims = _joint_when_within(*args, jnp.asarray(~used), max_dropped=8)
-    assert (np.asarray(fast) & used).sum() == 2 and (exact & used).sum() == 1
-    assert not bool(claims[0])
+    # By hand: an item scored -inf ties with the free slots and one scored NaN ranks
+    # below them, so the exact selection may keep a free slot before it; not claimed.
+    for bad in (-np.inf, np.nan):
+        used = np.zeros((1, 2, 4), bool)
+        used[0, 0, :2] = used[0, 1, 0] = True
+        rank = np.where(used, bad, -np.inf).astype(np.float32)
+        rank[0, 0, 0] = 5.0
+        birth = np.where(used, 0, 9).astype(np.int32)
+        args = (jnp.asarray(rank), jnp.asarray(birth), 1, jnp.zeros((1, 2), jnp.int32), P.HeadBudget(0.0, 2.0), top)
+        exact = np.asarray(_shared_by_heads(*args, jnp.asarray(~used), None, None))
+        fast, claims = _joint_when_within(*args, jnp.asarray(~used), max_dropped=8)
+        assert (np.asarray(fast) & used).sum() == 2 and (exact & used).sum() == 1
+        assert not bool(claims[0])
