@@ -166,18 +166,18 @@ def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top, free, due
     (:func:`_joint_when_within`), and the exact three passes, each a sort of every
     row, run only for a due sequence where that does not give it."""
     b, k, s = rank.shape
+    kept = k * target + jnp.sum(n_waiting, axis=-1)
 
     def exact(_):
         held = rank > -jnp.inf  # a head with fewer items than its floor must not spend the rest on free slots
         safe = top(rank, _floor(head_budget, target) + n_waiting, birth) & held
         allowed = top(rank, _ceiling(head_budget, target) + n_waiting, birth)
         joint = jnp.where(safe, jnp.inf, jnp.where(allowed, rank, -jnp.inf))
-        kept = k * target + jnp.sum(n_waiting, axis=-1)
         return top(joint.reshape(b, k * s), kept, birth.reshape(b, k * s)).reshape(b, k, s)
 
     if max_arrived is None:
         return exact(None)
-    keep, exact_already = _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free,
+    keep, exact_already = _joint_when_within(rank, birth, target, kept, n_waiting, head_budget, top, free,
                                              k * max_arrived)
     return lax.cond(jnp.all(exact_already | ~due[:, 0]), lambda _: keep, exact, None)
 
@@ -190,7 +190,7 @@ def _ceiling(head_budget, target):
     return jnp.ceil(head_budget.ceiling * target).astype(jnp.int32)
 
 
-def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, max_dropped):
+def _joint_when_within(rank, birth, target, kept, n_waiting, head_budget, top, free, max_dropped):
     """AdaKV's selection where no floor and no ceiling binds, found without a sort.
 
     The plain top over a sequence's heads leaves out only the lowest items it holds:
@@ -206,7 +206,6 @@ def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, m
     keeps between its floor (or all it holds) and its ceiling."""
     b, k, s = rank.shape
     used = ~free
-    kept = k * target + jnp.sum(n_waiting, axis=-1)
     n_free = count(free, axis=(1, 2))
     dropped = k * s - n_free - kept
     lifted = jnp.where(free, jnp.inf, rank).reshape(b, k * s)

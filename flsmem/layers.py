@@ -80,6 +80,8 @@ def fold_layers(memories: MemoryState):
     An entry of the policy state that a memory's rows share keeps its leading layer
     axis: the folded memory holds one such entry per group of B rows, entry l for the
     rows of layer l, and the policy reads the groups from that axis."""
+    validate.require(is_stacked(memories), "memories must be stacked layers [L, B, K, S] (from flsmem.init_kv "
+                                           f"with layers=), got a memory of shape {tuple(memories.valid.shape)}")
     depth, batch = memories.step.shape
     merge = lambda x: x.reshape((depth * batch,) + x.shape[2:])  # noqa: E731
     unfold = lambda x: x.reshape((depth, batch) + x.shape[1:])  # noqa: E731

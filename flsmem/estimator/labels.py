@@ -161,6 +161,9 @@ def fit_one(policy, learned, snapshot, gathered, held):
     one group of rows) on its prediction error over the ``held`` slots of
     ``snapshot``, labelled from ``gathered``; what :func:`_fit` runs per group, public
     so that its cost can be counted alone (``bench.learned_flops``)."""
+    validate.require(jnp.shape(gathered) == jnp.shape(held) == jnp.shape(snapshot)[:-1],
+                     f"gathered and held must have the snapshot's shape without its feature axis, "
+                     f"{tuple(jnp.shape(snapshot)[:-1])}; got {tuple(jnp.shape(gathered))} and {tuple(jnp.shape(held))}")
     held = _whole(held)
     label = _whole(jnp.log1p(jnp.maximum(gathered, 0.0)))
     snapshot = _whole(snapshot)
