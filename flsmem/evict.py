@@ -166,7 +166,7 @@ def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top, free, due
     (:func:`_joint_when_within`), and the exact three passes, each a sort of every
     row, run only for a due sequence where that does not give it."""
     b, k, s = rank.shape
-    kept = k * target + jnp.sum(n_waiting, axis=-1)
+    kept = _kept(k, target, n_waiting)
 
     def exact(_):
         held = rank > -jnp.inf  # a head with fewer items than its floor must not spend the rest on free slots
@@ -177,9 +177,14 @@ def _shared_by_heads(rank, birth, target, n_waiting, head_budget, top, free, due
 
     if max_arrived is None:
         return exact(None)
-    keep, exact_already = _joint_when_within(rank, birth, target, kept, n_waiting, head_budget, top, free,
+    keep, exact_already = _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free,
                                              k * max_arrived)
     return lax.cond(jnp.all(exact_already | ~due[:, 0]), lambda _: keep, exact, None)
+
+
+def _kept(heads, target, n_waiting):
+    """Items a sequence keeps over its ``heads``: ``target`` each, plus those still to arrive."""
+    return heads * target + jnp.sum(n_waiting, axis=-1)
 
 
 def _floor(head_budget, target):
@@ -190,7 +195,7 @@ def _ceiling(head_budget, target):
     return jnp.ceil(head_budget.ceiling * target).astype(jnp.int32)
 
 
-def _joint_when_within(rank, birth, target, kept, n_waiting, head_budget, top, free, max_dropped):
+def _joint_when_within(rank, birth, target, n_waiting, head_budget, top, free, max_dropped):
     """AdaKV's selection where no floor and no ceiling binds, found without a sort.
 
     The plain top over a sequence's heads leaves out only the lowest items it holds:
@@ -205,6 +210,7 @@ def _joint_when_within(rank, birth, target, kept, n_waiting, head_budget, top, f
     below +inf (so neither a free slot nor a +inf item is among them), and every head
     keeps between its floor (or all it holds) and its ceiling."""
     b, k, s = rank.shape
+    kept = _kept(k, target, n_waiting)
     used = ~free
     n_free = count(free, axis=(1, 2))
     dropped = k * s - n_free - kept

@@ -167,8 +167,8 @@ def test_adakv_selection_without_a_sort_is_exact_wherever_it_says_so():
     args = (jnp.asarray(rank), jnp.asarray(birth), target, jnp.asarray(n_waiting), head_budget, top)
     exact = np.asarray(_shared_by_heads(*args, jnp.asarray(~used), None, None))
     rank_, birth_, _, waiting_, _, _ = args
-    fast, claims = _joint_when_within(rank_, birth_, target, k * target + waiting_.sum(-1), waiting_, head_budget,
-                                      top, jnp.asarray(~used), max_dropped=k * s)
+    fast, claims = _joint_when_within(rank_, birth_, target, waiting_, head_budget, top, jnp.asarray(~used),
+                                      max_dropped=k * s)
     fast, claims = np.asarray(fast), np.asarray(claims)
     assert 50 < claims.sum() < b - 50, claims.sum()
     np.testing.assert_array_equal(fast[claims], exact[claims])
@@ -184,7 +184,7 @@ def test_adakv_selection_without_a_sort_is_exact_wherever_it_says_so():
         birth = np.where(used, 0, 9).astype(np.int32)
         args = (jnp.asarray(rank), jnp.asarray(birth), 1, jnp.zeros((1, 2), jnp.int32), P.HeadBudget(0.0, 2.0), top)
         exact = np.asarray(_shared_by_heads(*args, jnp.asarray(~used), None, None))
-        fast, claims = _joint_when_within(args[0], args[1], 1, jnp.full((1,), 2), args[3], args[4], top,
-                                          jnp.asarray(~used), max_dropped=8)
+        fast, claims = _joint_when_within(args[0], args[1], 1, args[3], args[4], top, jnp.asarray(~used),
+                                          max_dropped=8)
         assert (np.asarray(fast) & used).sum() == 2 and (exact & used).sum() == 1
         assert not bool(claims[0])
