@@ -12,7 +12,12 @@ weighs each prediction) and counts the tokens whose argmax prediction missed the
   than the recent window (half the budget), where a score has to keep them, against
   the other half of the budget that the score fills;
 * ``answer missed``: the share of the answer's tokens (the tokens between the encodings
-  of the context up to the answer and through it) that the model mispredicted.
+  of the context up to the answer and through it) that the model mispredicted;
+* ``answer's surprisal rank``: where the answer's tokens beyond the window stand among
+  all the context's tokens beyond it, ranked by surprisal (the negative log-probability
+  the model gave the token), and how many of them a reserve of an eighth of the
+  budget (``surprise_reserve``'s) would hold if it ranked by surprisal, not by the
+  miss alone.
 
 When the missed tokens beyond the window fit the scored half of the budget and the
 answer's tokens are among them, a policy that keeps mispredicted items first
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -40,13 +46,15 @@ ONE_ANSWER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_
 
 
 @nnx.jit
-def _missed(model, tokens):
-    """``[T]`` bool: token t was not the argmax prediction from the tokens before it
-    (token 0, which nothing predicts, counts as predicted)."""
+def _surprise(model, tokens):
+    """``([T] bool, [T] float)``: whether token t was not the argmax prediction from the
+    tokens before it, and its surprisal in nats (token 0, which nothing predicts, counts
+    as predicted, with surprisal 0)."""
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    logits = model(tokens, positions, None)[0][0]
-    hit = jnp.argmax(logits[:-1], axis=-1) == tokens[0, 1:]
-    return jnp.concatenate([jnp.zeros((1,), bool), ~hit])
+    logp = jax.nn.log_softmax(model(tokens, positions, None)[0][0][:-1], axis=-1)
+    hit = jnp.argmax(logp, axis=-1) == tokens[0, 1:]
+    surprisal = -jnp.take_along_axis(logp, tokens[0, 1:, None], axis=-1)[:, 0]
+    return jnp.concatenate([jnp.zeros((1,), bool), ~hit]), jnp.concatenate([jnp.zeros((1,)), surprisal])
 
 
 def answer_span(context: str, answer: str, tokenizer) -> tuple[int, int]:
@@ -62,11 +70,17 @@ def measure(model, tokenizer, sample: dict, budget: float) -> dict:
     context = sample["context"]
     ids = np.asarray(tokenizer.encode(context), np.int32)
     prompt = len(ids) + len(tokenizer.encode(sample["question"]))
-    missed = np.asarray(_missed(model, jnp.asarray(ids)[None]))
+    missed, surprisal = map(np.asarray, _surprise(model, jnp.asarray(ids)[None]))
     first, stop = answer_span(context, sample["answers"][0], tokenizer)
     window = int(budget * prompt) // 2
-    return {"context_missed": float(missed.mean()), "beyond": int(missed[:max(0, prompt - window)].sum()),
-            "scored_half": int(budget * prompt) - window, "answer_missed": float(missed[first:stop].mean())}
+    beyond = max(0, prompt - window)
+    # 1-based rank by surprisal among the tokens beyond the window, most surprising first.
+    rank = np.empty(min(beyond, len(ids)), np.int64)
+    rank[np.argsort(-surprisal[:beyond], kind="stable")] = np.arange(1, len(rank) + 1)
+    answer_ranks = rank[first:min(stop, beyond)]
+    return {"context_missed": float(missed.mean()), "beyond": int(missed[:beyond].sum()),
+            "scored_half": int(budget * prompt) - window, "answer_missed": float(missed[first:stop].mean()),
+            "reserve": int(budget * prompt) // 8, "answer_ranks": answer_ranks.tolist()}
 
 
 def main(argv=None):
@@ -99,8 +113,9 @@ def main(argv=None):
     print(f"{args.model}, {args.length} tokens, budget {args.budget:g} (scored half: the budget less its "
           f"recent window), samples 0-{args.samples - 1} of seed {args.seed}; mean [min, max] over samples\n")
     print("| task | context missed | missed beyond window | scored half | answer missed | samples whose "
-          "missed tokens fit the scored half |")
-    print("|---|---|---|---|---|---|")
+          "missed tokens fit the scored half | answer's surprisal rank beyond the window | answer's tokens a "
+          "reserve ranked by surprisal holds |")
+    print("|---|---|---|---|---|---|---|---|")
     for task, found in rows.items():
         def span(key, fmt):
             values = [r[key] for r in found]
@@ -108,7 +123,20 @@ def main(argv=None):
         fits = sum(r["beyond"] <= r["scored_half"] for r in found)
         print(f"| {task} | {span('context_missed', lambda v: f'{100 * v:.0f}%')} | "
               f"{span('beyond', lambda v: f'{v:.0f}')} | {found[0]['scored_half']} | "
-              f"{span('answer_missed', lambda v: f'{100 * v:.0f}%')} | {fits} of {len(found)} |")
+              f"{span('answer_missed', lambda v: f'{100 * v:.0f}%')} | {fits} of {len(found)} | "
+              f"{_ranks(found)} |")
+
+
+def _ranks(found: list[dict]) -> str:
+    """The answer's ranks by surprisal over the samples whose answer lies beyond the
+    window, and how many of its tokens fall within the reserve."""
+    ranked = [r for r in found if r["answer_ranks"]]
+    if not ranked:
+        return "– (every answer inside the window) | –"
+    ranks = np.concatenate([r["answer_ranks"] for r in ranked])
+    held = sum(int(np.sum(np.asarray(r["answer_ranks"]) <= r["reserve"])) for r in ranked)
+    return (f"median {np.median(ranks):.0f} [{ranks.min()}, {ranks.max()}] ({len(ranked)} samples) | "
+            f"{held} of {len(ranks)} (reserve {ranked[0]['reserve']})")
 
 
 if __name__ == "__main__":

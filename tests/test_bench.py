@@ -256,18 +256,25 @@ def test_ruler_surprise_counts_the_tokens_the_model_mispredicts():
     from flsmem.models.data import ByteTokenizer
 
     tokenizer = ByteTokenizer()
-    # One token a byte: the answer is bytes 3 to 9.
-    sample = {"context": "aa 1234567 bbb" * 3, "question": " q?", "answers": ["1234567"]}
+    # One token a byte, each below the model's vocabulary of 64: the answer is bytes 3 to 9.
+    sample = {"context": "55 1234567 888" * 3, "question": " 0?", "answers": ["1234567"]}
     assert ruler_surprise.answer_span(sample["context"], "1234567", tokenizer) == (3, 10)
     ids = np.asarray(tokenizer.encode(sample["context"]), np.int32)
     # Token t is missed when the model's argmax after tokens < t is not token t.
-    logits = np.asarray(MODEL(jnp.asarray(ids)[None])[0][0])
+    logits = np.asarray(MODEL(jnp.asarray(ids)[None])[0][0], np.float64)
     missed = np.concatenate([[False], logits[:-1].argmax(-1) != ids[1:]])
+    logp = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
+    surprisal = np.concatenate([[0.0], -logp[np.arange(len(ids) - 1), ids[1:]]])
     got = ruler_surprise.measure(MODEL, tokenizer, sample, budget=0.5)
     # 45 prompt tokens: a recent window of 11, a scored half of 11; the missed tokens
-    # beyond the window are those of the first 34.
+    # beyond the window are those of the first 34. An answer token's rank: one more
+    # than the tokens among those 34 more surprising than it (no ties here).
+    beyond = surprisal[:34]
+    assert len(set(beyond.round(4))) == 34
+    ranks = [1 + int(np.sum(beyond > surprisal[t])) for t in range(3, 10)]
+    assert got.pop("answer_ranks") == ranks
     assert got == pytest.approx({"context_missed": missed.mean(), "beyond": int(missed[:34].sum()),
-                                 "scored_half": 11, "answer_missed": missed[3:10].mean()})
+                                 "scored_half": 11, "answer_missed": missed[3:10].mean(), "reserve": 45 // 2 // 8})
 
 
 def test_the_median_interval_is_the_order_statistics_with_95_percent_coverage():
