@@ -7,7 +7,11 @@ tokens, how far the needle's answer lies from the end of the prompt. As ``make_p
 builds them, h2o, rmm, ema, kalman, adaptive, the learned policies and the oracle keep
 the last half of their budget whatever their scores (a recent window), so a needle
 closer to the end than that is kept by recency; a hit further back is one the score
-found. Only the tasks with one answer (the single-needle and multi-key tasks) count.
+found. StreamingLLM's recent window is its whole budget (less its sinks), so the
+needles in the half-budget before the last are its recency's too. Each hit is counted
+in one of three bands of the needle's distance from the end: the last half-budget, the
+half-budget before it, and further back. Only the tasks with one answer (the
+single-needle and multi-key tasks) count.
 
     python -m bench.ruler_depth results/ruler/smollm2-135m-4k-stream.jsonl
 """
@@ -48,23 +52,31 @@ def main(argv=None):
         if key not in distances:
             task, length, index, seed = key
             distances[key] = distance_to_end(make_sample(task, length, index, tokenizer, seed), tokenizer)
-    # (policy, protocol, budget tokens) -> {inside the recent window: [hits, samples]}
-    counts = defaultdict(lambda: {True: [0, 0], False: [0, 0]})
+    # (policy, protocol, budget tokens) -> [hits, samples] per band of distance
+    counts = defaultdict(lambda: [[0, 0] for _ in BANDS])
     for r in rows:
         if r["policy"] == "full":
             continue
-        inside = distances[(r["task"], r["length"], r["index"], r["seed"])] < r["budget_tokens"] // 2
-        tally = counts[(r["policy"], r["protocol"], r["budget_tokens"])][inside]
+        distance = distances[(r["task"], r["length"], r["index"], r["seed"])]
+        tally = counts[(r["policy"], r["protocol"], r["budget_tokens"])][band(distance, r["budget_tokens"])]
         tally[0] += r["score"]
         tally[1] += 1
     print(f"{args.results.name}: {len(distances)} samples of {', '.join(sorted({k[0] for k in distances}))}")
-    print("hits / samples with the needle inside the recent window (the last half-budget of the prompt) "
-          "and outside it")
+    print("hits / samples by the needle's distance from the end of the prompt, in half-budgets B/2: within "
+          "the last (the recent window of every policy but streaming_llm, whose window is B), the one before "
+          "it, and further back")
     width = max([len("policy")] + [len(policy) for policy, _, _ in counts])
-    print(f"{'policy':<{width}}  {'protocol':<17}  {'budget':>6}  {'inside':>9}  {'outside':>9}")
+    print(f"{'policy':<{width}}  {'protocol':<17}  {'budget':>6}" + "".join(f"  {name:>10}" for name in BANDS))
     for (policy, protocol, budget), by in sorted(counts.items()):
-        cells = [f"{by[side][0]:g} / {by[side][1]}" for side in (True, False)]
-        print(f"{policy:<{width}}  {protocol:<17}  {budget:>6}  {cells[0]:>9}  {cells[1]:>9}")
+        print(f"{policy:<{width}}  {protocol:<17}  {budget:>6}" + "".join(f"  {f'{h:g} / {n}':>10}" for h, n in by))
+
+
+BANDS = ("< B/2", "B/2 to B", ">= B")
+
+
+def band(distance: int, budget: int) -> int:
+    """The index in :data:`BANDS` of a needle ``distance`` tokens from the end at ``budget``."""
+    return 0 if distance < budget // 2 else 1 if distance < budget else 2
 
 
 if __name__ == "__main__":

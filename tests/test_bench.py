@@ -237,19 +237,23 @@ def test_ruler_depth_counts_hits_by_the_needles_distance_from_the_end(tmp_path, 
     # After the answer: " bbb" and the question " q?", one token a byte.
     hand = {"context": "aa 1234567 bbb", "question": " q?", "answers": ["1234567"]}
     assert ruler_depth.distance_to_end(hand, tokenizer) == 7
+    # Bands of half a budget B: [0, B/2), [B/2, B), [B, ...); B // 2 for an odd B.
+    assert [ruler_depth.band(d, 8) for d in (0, 3, 4, 7, 8, 100)] == [0, 0, 1, 1, 2, 2]
+    assert [ruler_depth.band(d, 7) for d in (2, 3, 6, 7)] == [0, 1, 1, 2]
+    indices = (3, 2, 1)
     distances = [ruler_depth.distance_to_end(make_sample("niah_single_1", 2048, i, tokenizer, 0), tokenizer)
-                 for i in range(2)]
-    assert distances[0] < distances[1]
-    budget = 2 * distances[0] + 2  # sample 0 inside the recent window, sample 1 outside
+                 for i in indices]
+    budget = 800
+    assert distances[0] < budget // 2 <= distances[1] < budget <= distances[2]  # one sample in each band
     rows = [{"model": "tiny", "task": "niah_single_1", "length": 2048, "index": i, "seed": 0, "policy": policy,
              "protocol": "stream", "budget": 0.5, "evict_every": 16, "budget_tokens": budget, "score": score}
-            for i in range(2) for policy, score in (("full", 1.0), ("h2o", float(i == 1)))]
+            for i in indices for policy, score in (("full", 1.0), ("h2o", float(i != 3)))]
     path = tmp_path / "tiny.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ruler_depth.main([str(path)])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("h2o"))
-    # The full cache is not counted; h2o missed the needle inside and found the one outside.
-    assert line.split() == ["h2o", "stream", str(budget), "0", "/", "1", "1", "/", "1"]
+    # The full cache is not counted; h2o missed the nearest needle and found the other two.
+    assert line.split() == ["h2o", "stream", str(budget), "0", "/", "1", "1", "/", "1", "1", "/", "1"]
 
 
 def test_ruler_surprise_counts_the_tokens_the_model_mispredicts():
