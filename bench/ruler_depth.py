@@ -30,6 +30,14 @@ from flsmem.models import catalog
 ONE_ANSWER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
               "niah_multikey_3")
 
+# Bands of the needle's distance from the end of the prompt, in half-budgets B/2.
+BANDS = ("< B/2", "B/2 to B", ">= B")
+
+
+def band(distance: int, budget: int) -> int:
+    """The index in :data:`BANDS` of a needle ``distance`` tokens from the end at ``budget``."""
+    return 0 if distance < budget // 2 else 1 if distance < budget else 2
+
 
 def distance_to_end(sample: dict, tokenizer) -> int:
     """Tokens of the prompt (context and question) after the needle's answer."""
@@ -69,14 +77,6 @@ def main(argv=None):
     print(f"{'policy':<{width}}  {'protocol':<17}  {'budget':>6}" + "".join(f"  {name:>10}" for name in BANDS))
     for (policy, protocol, budget), by in sorted(counts.items()):
         print(f"{policy:<{width}}  {protocol:<17}  {budget:>6}" + "".join(f"  {f'{h:g} / {n}':>10}" for h, n in by))
-
-
-BANDS = ("< B/2", "B/2 to B", ">= B")
-
-
-def band(distance: int, budget: int) -> int:
-    """The index in :data:`BANDS` of a needle ``distance`` tokens from the end at ``budget``."""
-    return 0 if distance < budget // 2 else 1 if distance < budget else 2
 
 
 if __name__ == "__main__":

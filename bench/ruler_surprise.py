@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from flsmem.harness.evaluate import make_policy
 from flsmem.harness.ruler.tasks import TASKS, make_sample
 from flsmem.models import catalog
 
@@ -72,7 +73,9 @@ def measure(model, tokenizer, sample: dict, budget: float) -> dict:
     prompt = len(ids) + len(tokenizer.encode(sample["question"]))
     missed, surprisal = map(np.asarray, _surprise(model, jnp.asarray(ids)[None]))
     first, stop = answer_span(context, sample["answers"][0], tokenizer)
-    window = int(budget * prompt) // 2
+    # The window and the reserve that flsmem eval and flsmem ruler give surprise_reserve.
+    preset = make_policy("surprise_reserve", int(budget * prompt))
+    window = preset.recent
     beyond = max(0, prompt - window)
     # 1-based rank by surprisal among the tokens beyond the window, most surprising first.
     rank = np.empty(min(beyond, len(ids)), np.int64)
@@ -80,7 +83,7 @@ def measure(model, tokenizer, sample: dict, budget: float) -> dict:
     answer_ranks = rank[first:min(stop, beyond)]
     return {"context_missed": float(missed.mean()), "beyond": int(missed[:beyond].sum()),
             "scored_half": int(budget * prompt) - window, "answer_missed": float(missed[first:stop].mean()),
-            "reserve": int(budget * prompt) // 8, "answer_ranks": answer_ranks.tolist()}
+            "reserve": preset.params.reserve, "answer_ranks": answer_ranks.tolist()}
 
 
 def main(argv=None):
