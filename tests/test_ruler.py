@@ -162,8 +162,38 @@ def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     assert twice.startswith("-25 [") and twice.rstrip(" |").endswith("] (4)")
     low, high = (int(x) for x in same[same.index("[") + 1:same.index("]")].split(", "))
     assert low <= 25 <= high and low >= 0
-    # h2o itself is the reference, and its 0.5 arm has no 1.0 arm to be paired with.
+    # h2o itself is the reference, and its 0.5 arm has no 1.0 arm to be paired with;
+    # recency was not run, so nothing is paired against it.
     assert "| stream | h2o |" not in text
+    assert "Paired against streaming_llm" not in text
+
+
+def test_the_report_pairs_each_policy_with_recency_too():
+    """With streaming_llm run, a second table pairs every other policy, h2o included,
+    against it, on the samples both answered."""
+    from flsmem.harness.ruler import report
+
+    recency, h2o, rmm = [1, 1, 0, 1], [0, 1, 0, 0], [1, 1, 1, 1]
+    rows = []
+    for index in range(4):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0),
+                 _row("vt", "streaming_llm", "stream", 0.25, index, recency[index]),
+                 _row("vt", "h2o", "stream", 0.25, index, h2o[index]),
+                 _row("vt", "rmm", "stream", 0.25, index, rmm[index])]
+    text = report.format_report(rows, "t")
+    against_recency = text[text.index("### Paired against streaming_llm"):]
+    against_h2o = text[text.index("### Paired against h2o"):text.index("### Paired against streaming_llm")]
+
+    def difference(table, policy):
+        line = next(line for line in table.splitlines() if line.startswith(f"| stream | {policy} | 0.25 |"))
+        return line.split(" | ")[3]
+
+    # h2o - streaming_llm: (-1 + 0 + 0 - 1) / 4; rmm - streaming_llm: (0 + 0 + 1 + 0) / 4.
+    assert difference(against_recency, "h2o").startswith("-50 [")
+    assert difference(against_recency, "rmm").startswith("+25 [")
+    # streaming_llm - h2o, in the table against accumulation: +2 of 4.
+    assert difference(against_h2o, "streaming_llm").startswith("+50 [")
+    assert "| stream | streaming_llm |" not in against_recency
 
 
 def test_a_learned_policy_over_several_checkpoints_is_reported_per_checkpoint(tmp_path):

@@ -6,7 +6,8 @@ percent over the samples with its 95% interval: a percentile bootstrap over the 
 (2,000 resamples, seeded; for the average, the samples of each task are resampled
 within the task). A task whose full-cache score is below 20% is beyond the model: it
 is marked and left out of the averages, since no eviction can be judged on it. Every
-policy is then paired with h2o on the same samples, at the same budget and at twice it.
+policy is then paired with each reference that was run, accumulation (h2o) and recency
+(streaming_llm), on the same samples, at the same budget and at twice it.
 The plot shows the average accuracy against the budget, one panel per length and
 protocol.
 """
@@ -22,7 +23,7 @@ import numpy as np
 from flsmem.harness.ruler.protocols import PROTOCOLS
 from flsmem.harness.ruler.tasks import TASKS
 
-__all__ = ["KEY", "BEYOND", "REFERENCE", "RESAMPLES", "row_key", "load", "format_report", "plot", "write"]
+__all__ = ["KEY", "BEYOND", "REFERENCES", "RESAMPLES", "row_key", "load", "format_report", "plot", "write"]
 
 # The fields that name one answer in a results file: the runner does not redo a row
 # with the same values, and the report keeps the last of them. ``estimator`` (the
@@ -30,8 +31,8 @@ __all__ = ["KEY", "BEYOND", "REFERENCE", "RESAMPLES", "row_key", "load", "format
 KEY = ("model", "task", "length", "index", "seed", "policy", "protocol", "budget", "evict_every", "estimator")
 # Below this full-cache accuracy a task is beyond the model.
 BEYOND = 0.2
-# Accumulation, the baseline every other policy is paired against.
-REFERENCE = "h2o"
+# The baselines every other policy is paired against: accumulation and recency.
+REFERENCES = ("h2o", "streaming_llm")
 RESAMPLES = 2000
 
 
@@ -176,25 +177,25 @@ def _difference(arm: dict, reference: dict, kept: list[str]) -> str:
     return f"{100 * mean:+.0f} [{100 * low:+.0f}, {100 * high:+.0f}] ({sum(map(len, pairs))})"
 
 
-def _paired(by_sample, length, policies, kept) -> list[str]:
-    """Every evicting policy against :data:`REFERENCE` at the same budget and at twice
+def _paired(by_sample, length, policies, kept, reference) -> list[str]:
+    """Every other evicting policy against ``reference`` at the same budget and at twice
     it, paired over samples; nothing when the reference was not run."""
     arms = sorted(((proto, p, b) for (n, proto, p, b) in by_sample
-                   if n == length and p not in ("full", REFERENCE)),
+                   if n == length and p not in ("full", reference)),
                   key=lambda a: (PROTOCOLS.index(a[0]) if a[0] in PROTOCOLS else 9, policies.index(a[1]), a[2]))
-    if not any(n == length and p == REFERENCE for (n, _, p, _) in by_sample):
+    if not any(n == length and p == reference for (n, _, p, _) in by_sample):
         return []
-    lines = [f"### Paired against {REFERENCE}", "",
-             f"Percentage points, a policy's score minus {REFERENCE}'s on the same samples, averaged over the "
+    lines = [f"### Paired against {reference}", "",
+             f"Percentage points, a policy's score minus {reference}'s on the same samples, averaged over the "
              "tasks both answered (those beyond the model left out), with a 95% bootstrap interval over "
-             f"samples (resampled within each task) and, in parentheses, the number of pairs. {REFERENCE} at "
-             f"twice the budget asks whether a policy does with B slots what {REFERENCE} does with 2B.", "",
-             f"| protocol | policy | budget | minus {REFERENCE} | minus {REFERENCE} at twice the budget |",
+             f"samples (resampled within each task) and, in parentheses, the number of pairs. {reference} at "
+             f"twice the budget asks whether a policy does with B slots what {reference} does with 2B.", "",
+             f"| protocol | policy | budget | minus {reference} | minus {reference} at twice the budget |",
              "|---|---|---|---|---|"]
     for protocol, policy, budget in arms:
         cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept)
                  if key in by_sample else "–"
-                 for key in ((length, protocol, REFERENCE, budget), (length, protocol, REFERENCE, 2 * budget))]
+                 for key in ((length, protocol, reference, budget), (length, protocol, reference, 2 * budget))]
         lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -250,7 +251,8 @@ def format_report(rows: list[dict], title: str) -> str:
         for protocol in [p for p in PROTOCOLS if any(k[0] == length and k[1] == p for k in scores)]:
             lines += [f"### {protocol}", ""]
             lines += _protocol_table(scores, length, protocol, policies, kept, beyond) + [""]
-        lines += _paired(by_sample, length, policies, kept)
+        for reference in REFERENCES:
+            lines += _paired(by_sample, length, policies, kept, reference)
         lines += _checkpoints(rows, scores, length, kept)
     return "\n".join(lines)
 
