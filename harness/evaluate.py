@@ -46,6 +46,7 @@ __all__ = [
     "CORRECTNESS",
     "LEARNED_NAMES",
     "POLICY_NAMES",
+    "SLOT_COUNTS",
     "learned_policy",
     "estimator_for",
     "check_estimator",
@@ -220,6 +221,18 @@ def check_policies(option: str, names: Sequence[str], budget: int) -> None:
                 raise ValueError(f"{option} {name}: {error}") from None
 
 
+# Settings that count slots of the memory: a fraction in (0, 1) is a share of the budget.
+SLOT_COUNTS = ("recent", "lag", "sinks", "reserve", "history", "window")
+
+
+def _slots(key: str, value, budget: int):
+    """``value`` of the setting ``key``, a share of ``budget`` turned into slots when
+    ``key`` counts slots and ``value`` is a fraction in (0, 1); otherwise as given."""
+    if key in SLOT_COUNTS and isinstance(value, float) and 0.0 < value < 1.0:
+        return int(value * budget)
+    return value
+
+
 def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = None,
                 model: DecoderConfig | None = None) -> P.Policy:
     """The policy ``name`` with protection scaled to the budget.
@@ -241,7 +254,10 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     sequence's budget among its KV heads with kvpress's floor (0.2) and a ceiling that
     never binds (``K - 0.2 (K - 1)``); ``pyramid(name)`` spreads the budget over the
     layers when the prefix is compressed. A name with settings, ``adaptive(horizon=256)``
-    or ``adakv(surprise(reserve=64))``, passes them to the factory over these defaults.
+    or ``adakv(surprise(reserve=64))``, passes them to the factory over these defaults; a
+    count of slots among them (:data:`SLOT_COUNTS`) given as a fraction in (0, 1),
+    ``rmm(recent=0.875)``, is that share of the budget, rounded down, so one name is one
+    policy at every budget.
     """
     wrapped = re.fullmatch(r"(\w+)\((.+)\)", name)
     if wrapped and wrapped.group(1) in BUDGET_WRAPPERS:
@@ -259,6 +275,7 @@ def make_policy(name: str, budget: int, lag: int = 16, estimator: str | None = N
     half = budget // 2
     lag = min(lag, half)
     name, overrides = split_settings(name)
+    overrides = {key: _slots(key, value, budget) for key, value in overrides.items()}
     if overrides and name not in POLICY_NAMES:
         raise ValueError(f"policy settings apply to {POLICY_NAMES}, got {name!r} with {overrides}")
     if name in LEARNED_NAMES:

@@ -116,6 +116,13 @@ def test_policy_settings_reach_the_factory_over_the_budgets_defaults():
     assert make_policy("surprise_reserve(reserve=3)", 64).params.reserve == 3  # over the preset's 64 // 8
     assert make_policy("adakv(surprise(reserve=3))", 64, model=CFG).params.reserve == 3
     assert make_policy("h2o(recent=5)", 64).recent == 5
+    # A count of slots as a fraction is a share of each budget, rounded down.
+    assert make_policy("rmm(recent=0.875)", 256) == make_policy("rmm(recent=224)", 256)
+    assert make_policy("rmm(recent=0.875)", 100).recent == 87
+    assert make_policy("surprise_reserve(reserve=0.25)", 64).params.reserve == 16
+    assert make_policy("adaptive(forget=0.5)", 64).params.forget == 0.5  # not a count of slots
+    with pytest.raises(ValueError, match="recent"):
+        make_policy("h2o(recent=1.5)", 64)
     assert is_policy_name("adakv(adaptive(horizon=256))") and not is_policy_name("learned(rate=1.0)")
     with pytest.raises(ValueError, match="settings apply to"):
         make_policy("learned(rate=1.0)", 64)
