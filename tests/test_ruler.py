@@ -179,7 +179,9 @@ def test_the_report_pairs_each_policy_with_recency_too():
         rows += [_row("vt", "full", "stream", 1.0, index, 1.0),
                  _row("vt", "streaming_llm", "stream", 0.25, index, recency[index]),
                  _row("vt", "h2o", "stream", 0.25, index, h2o[index]),
-                 _row("vt", "rmm", "stream", 0.25, index, rmm[index])]
+                 _row("vt", "rmm", "stream", 0.25, index, rmm[index]),
+                 # Recency ran at no budget this arm could be paired with.
+                 _row("vt", "h2o", "stream", 0.75, index, 1.0)]
     text = report.format_report(rows, "t")
     against_recency = text[text.index("### Paired against streaming_llm"):]
     against_h2o = text[text.index("### Paired against h2o"):text.index("### Paired against streaming_llm")]
@@ -194,6 +196,7 @@ def test_the_report_pairs_each_policy_with_recency_too():
     # streaming_llm - h2o, in the table against accumulation: +2 of 4.
     assert difference(against_h2o, "streaming_llm").startswith("+50 [")
     assert "| stream | streaming_llm |" not in against_recency
+    assert "| stream | h2o | 0.75 |" not in against_recency
 
 
 def test_a_learned_policy_over_several_checkpoints_is_reported_per_checkpoint(tmp_path):

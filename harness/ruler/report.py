@@ -196,7 +196,8 @@ def _paired(by_sample, length, policies, kept, reference) -> list[str]:
         cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept)
                  if key in by_sample else "–"
                  for key in ((length, protocol, reference, budget), (length, protocol, reference, 2 * budget))]
-        lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
+        if cells != ["–", "–"]:  # an arm with no pair at either budget says nothing
+            lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
