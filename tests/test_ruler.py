@@ -197,6 +197,9 @@ def test_the_report_pairs_each_policy_with_recency_too():
     assert difference(against_h2o, "streaming_llm").startswith("+50 [")
     assert "| stream | streaming_llm |" not in against_recency
     assert "| stream | h2o | 0.75 |" not in against_recency
+    # With no other policy to pair, no table.
+    alone = [r for r in rows if r["policy"] in ("full", "h2o")]
+    assert "### Paired against" not in report.format_report(alone, "t")
 
 
 def test_a_learned_policy_over_several_checkpoints_is_reported_per_checkpoint(tmp_path):

@@ -179,7 +179,7 @@ def _difference(arm: dict, reference: dict, kept: list[str]) -> str:
 
 def _paired(by_sample, length, policies, kept, reference) -> list[str]:
     """Every other evicting policy against ``reference`` at the same budget and at twice
-    it, paired over samples; nothing when the reference was not run."""
+    it, paired over samples; nothing when no policy could be paired with it."""
     arms = sorted(((proto, p, b) for (n, proto, p, b) in by_sample
                    if n == length and p not in ("full", reference)),
                   key=lambda a: (PROTOCOLS.index(a[0]) if a[0] in PROTOCOLS else 9, policies.index(a[1]), a[2]))
@@ -192,13 +192,14 @@ def _paired(by_sample, length, policies, kept, reference) -> list[str]:
              f"twice the budget asks whether a policy does with B slots what {reference} does with 2B.", "",
              f"| protocol | policy | budget | minus {reference} | minus {reference} at twice the budget |",
              "|---|---|---|---|---|"]
+    rows = []
     for protocol, policy, budget in arms:
         cells = [_difference(by_sample[(length, protocol, policy, budget)], by_sample[key], kept)
                  if key in by_sample else "–"
                  for key in ((length, protocol, reference, budget), (length, protocol, reference, 2 * budget))]
         if cells != ["–", "–"]:  # an arm with no pair at either budget says nothing
-            lines.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
-    return lines + [""]
+            rows.append(f"| {protocol} | {policy} | {budget:g} | " + " | ".join(cells) + " |")
+    return lines + rows + [""] if rows else []
 
 
 def _checkpoints(rows, scores, length, kept) -> list[str]:
