@@ -8,7 +8,8 @@ builds them, h2o, rmm, ema, kalman, adaptive, the learned policies and the oracl
 the last half of their budget whatever their scores (a recent window), so a needle
 closer to the end than that is kept by recency; a hit further back is one the score
 found. StreamingLLM's recent window is its whole budget (less its sinks), so the
-needles in the half-budget before the last are its recency's too. Each hit is counted
+needles in the half-budget before the last are its recency's too; a policy whose window
+is set by name, as ``rmm(recent=0.875)``, has the window it names. Each hit is counted
 in one of three bands of the needle's distance from the end: the last half-budget, the
 half-budget before it, and further back. Only the tasks with one answer (the
 single-needle and multi-key tasks) count.
@@ -71,8 +72,8 @@ def main(argv=None):
         tally[1] += 1
     print(f"{args.results.name}: {len(distances)} samples of {', '.join(sorted({k[0] for k in distances}))}")
     print("hits / samples by the needle's distance from the end of the prompt, in half-budgets B/2: within "
-          "the last (the recent window of every policy but streaming_llm, whose window is B), the one before "
-          "it, and further back")
+          "the last (the recent window of every preset of make_policy but streaming_llm, whose window is B; a "
+          "window set by name, as rmm(recent=224), is the one it names), the one before it, and further back")
     width = max([len("policy")] + [len(policy) for policy, _, _ in counts])
     print(f"{'policy':<{width}}  {'protocol':<17}  {'budget':>6}" + "".join(f"  {name:>10}" for name in BANDS))
     for (policy, protocol, budget), by in sorted(counts.items()):
