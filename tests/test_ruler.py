@@ -142,6 +142,23 @@ def test_an_average_over_fewer_tasks_says_so():
     assert "| rmm | 0 [0–0] (1 of 2 tasks) |" in text
     assert "| h2o | 100 [100–100] |" in text
 
+
+def test_an_average_over_fewer_samples_says_so():
+    """An arm with fewer samples of a task than another arm of the same length has an
+    average over other samples: the report says how many it has."""
+    from flsmem.harness.ruler import report
+
+    rows = [_row(task, policy, "stream", 1.0 if policy == "full" else 0.25, index, 1.0)
+            for task in ("vt", "fwe") for policy in ("full", "h2o") for index in range(4)]
+    rows += [_row("vt", "rmm", "stream", 0.25, index, 0.0) for index in range(2)]
+    rows += [_row("fwe", "rmm", "stream", 0.25, index, 0.0) for index in range(3)]
+    text = report.format_report(rows, "t")
+    assert "| rmm | 0.25 | 0 [0–0] | 0 [0–0] | 0 [0–0] (2–3 samples a task) |" in text
+    assert "| rmm | 0 [0–0] (2–3 samples a task) |" in text
+    assert "| h2o | 0.25 | 100 [100–100] | 100 [100–100] | 100 [100–100] |" in text
+    rows = [r for r in rows if not (r["policy"] == "rmm" and r["task"] == "fwe")]
+    assert "| rmm | 0 [0–0] (1 of 2 tasks, 2 samples a task) |" in report.format_report(rows, "t")
+
 def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     from flsmem.harness.ruler import report
 

@@ -104,12 +104,30 @@ def _cell(per_task: list[np.ndarray] | None) -> str:
     return f"{100 * mean:.0f} [{100 * low:.0f}–{100 * high:.0f}]"
 
 
-def _average(got: dict[str, np.ndarray], tasks: list[str]) -> str:
-    """The average of ``got`` over ``tasks`` (the kept tasks the table holds): one that
-    lacks some of them says over how many, since its figure is not comparable."""
+def _average(got: dict[str, np.ndarray], tasks: list[str], most: dict[str, int]) -> str:
+    """The average of ``got`` over ``tasks`` (the kept tasks the table holds). Its
+    figure cannot be set beside the others' when it lacks some of those tasks, or has
+    fewer samples of one than some other arm (``most``: the largest count per task): it
+    says over how many tasks and how many samples a task it is."""
     have = [t for t in tasks if t in got]
-    cell = _cell([got[t] for t in have])
-    return cell if not have or len(have) == len(tasks) else f"{cell} ({len(have)} of {len(tasks)} tasks)"
+    if not have:
+        return _cell(None)
+    notes = [] if len(have) == len(tasks) else [f"{len(have)} of {len(tasks)} tasks"]
+    counts = sorted({len(got[t]) for t in have})
+    if any(len(got[t]) < most[t] for t in have):
+        spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+        notes.append(f"{spread} samples a task")
+    return _cell([got[t] for t in have]) + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _most_samples(scores: dict, length: int) -> dict[str, int]:
+    """The largest number of samples any arm of ``length`` has of each task."""
+    most: dict[str, int] = defaultdict(int)
+    for (n, *_), tasks in scores.items():
+        if n == length:
+            for task, s in tasks.items():
+                most[task] = max(most[task], len(s))
+    return most
 
 
 def _present(scores: dict, length: int, kept: list[str], protocol: str | None = None) -> list[str]:
@@ -134,6 +152,7 @@ def _arms(scores: dict, length: int, protocol: str, policies: list[str]) -> list
 
 def _summary(scores, length, policies, kept) -> list[str]:
     """Average accuracy: a row per policy, a column per protocol and budget."""
+    most = _most_samples(scores, length)
     columns = sorted({(proto, b) for (n, proto, p, b) in scores if n == length and p != "full"},
                      key=lambda c: (PROTOCOLS.index(c[0]) if c[0] in PROTOCOLS else 9, c[1]))
     lines = ["| policy | " + " | ".join(f"{proto} {b:g}" for proto, b in columns) + " |",
@@ -143,7 +162,7 @@ def _summary(scores, length, policies, kept) -> list[str]:
         for proto, b in columns:
             # The full cache answers alike under every protocol and budget: its one figure in every column.
             tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
-            cells.append(_average(tasks, _present(scores, length, kept, proto)) if tasks else "–")
+            cells.append(_average(tasks, _present(scores, length, kept, proto), most) if tasks else "–")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -153,11 +172,12 @@ def _protocol_table(scores, length, protocol, policies, kept, beyond) -> list[st
     tasks = [t for t in TASKS if any(t in s for (n, proto, _, _), s in scores.items()
                                      if n == length and proto == protocol)]
     header = [t + (" †" if t in beyond else "") for t in tasks]
+    most = _most_samples(scores, length)
     lines = ["| policy | budget | " + " | ".join(header) + " | average |", "|---" * (len(tasks) + 3) + "|"]
     for policy, budget in _arms(scores, length, protocol, policies):
         got = scores[(length, protocol, policy, budget)]
         cells = [_cell([got[t]] if t in got else None) for t in tasks]
-        average = _average(got, [t for t in tasks if t in kept])
+        average = _average(got, [t for t in tasks if t in kept], most)
         lines.append(f"| {policy} | {'full' if policy == 'full' else f'{budget:g}'} | " + " | ".join(cells)
                      + f" | {average} |")
     return lines
