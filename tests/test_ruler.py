@@ -159,6 +159,7 @@ def test_an_average_over_fewer_samples_says_so():
     rows = [r for r in rows if not (r["policy"] == "rmm" and r["task"] == "fwe")]
     assert "| rmm | 0 [0–0] (1 of 2 tasks, 2 samples a task) |" in report.format_report(rows, "t")
 
+
 def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     from flsmem.harness.ruler import report
 

@@ -150,9 +150,8 @@ def _arms(scores: dict, length: int, protocol: str, policies: list[str]) -> list
     return sorted(found, key=lambda arm: (policies.index(arm[0]), arm[1]))
 
 
-def _summary(scores, length, policies, kept) -> list[str]:
+def _summary(scores, length, policies, kept, most) -> list[str]:
     """Average accuracy: a row per policy, a column per protocol and budget."""
-    most = _most_samples(scores, length)
     columns = sorted({(proto, b) for (n, proto, p, b) in scores if n == length and p != "full"},
                      key=lambda c: (PROTOCOLS.index(c[0]) if c[0] in PROTOCOLS else 9, c[1]))
     lines = ["| policy | " + " | ".join(f"{proto} {b:g}" for proto, b in columns) + " |",
@@ -167,12 +166,11 @@ def _summary(scores, length, policies, kept) -> list[str]:
     return lines
 
 
-def _protocol_table(scores, length, protocol, policies, kept, beyond) -> list[str]:
+def _protocol_table(scores, length, protocol, policies, kept, beyond, most) -> list[str]:
     """Every task: a row per policy and budget, a column per task and the average."""
     tasks = [t for t in TASKS if any(t in s for (n, proto, _, _), s in scores.items()
                                      if n == length and proto == protocol)]
     header = [t + (" †" if t in beyond else "") for t in tasks]
-    most = _most_samples(scores, length)
     lines = ["| policy | budget | " + " | ".join(header) + " | average |", "|---" * (len(tasks) + 3) + "|"]
     for policy, budget in _arms(scores, length, protocol, policies):
         got = scores[(length, protocol, policy, budget)]
@@ -269,10 +267,11 @@ def format_report(rows: list[dict], title: str) -> str:
         lines += [f"## {length} tokens", "",
                   f"Samples per task: {', '.join(map(str, samples))}. Beyond the model: "
                   f"{', '.join(sorted(beyond)) or 'none'}.", "", "### Average accuracy", ""]
-        lines += _summary(scores, length, policies, kept) + [""]
+        most = _most_samples(scores, length)
+        lines += _summary(scores, length, policies, kept, most) + [""]
         for protocol in [p for p in PROTOCOLS if any(k[0] == length and k[1] == p for k in scores)]:
             lines += [f"### {protocol}", ""]
-            lines += _protocol_table(scores, length, protocol, policies, kept, beyond) + [""]
+            lines += _protocol_table(scores, length, protocol, policies, kept, beyond, most) + [""]
         for reference in REFERENCES:
             lines += _paired(by_sample, length, policies, kept, reference)
         lines += _checkpoints(rows, scores, length, kept)
