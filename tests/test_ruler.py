@@ -313,6 +313,8 @@ BAD_ARGUMENTS = {
     "out is a folder": (["--out", "{tmp}"], "--out"),
     "out under a file": (["--out", "{tmp}/file/r.jsonl"], "--out"),
     "report of nothing": (["--report", "--out", "{tmp}/none.jsonl"], "--report"),
+    "out not text": (["--out", "{tmp}/binary.jsonl"], "--out must be a results file"),
+    "report of a binary file": (["--report", "--out", "{tmp}/binary.jsonl"], "--out must be a results file"),
     "estimator not a checkpoint": (["--policies", "learned", "--estimator", "{tmp}"], "--estimator"),
 }
 
@@ -324,6 +326,8 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, mo
 
     monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("a bad argument must stop before a model loads"))
     (tmp_path / "file").write_text("not a folder")
+    binary = bytes(range(128, 256))
+    (tmp_path / "binary.jsonl").write_bytes(binary)
     before = sorted(tmp_path.rglob("*"))
     argv, name = BAD_ARGUMENTS[case]
     argv = ["ruler", "--model", "tiny", "--out", str(tmp_path / "r.jsonl")] + [a.replace("{tmp}", str(tmp_path))
@@ -335,6 +339,7 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, mo
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(f"flsmem ruler: error: {name.replace('{tmp}', str(tmp_path))}"), err
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
+    assert (tmp_path / "binary.jsonl").read_bytes() == binary
 
 
 def _decode(tokens) -> str:

@@ -31,7 +31,7 @@ from flsmem.harness.ruler.protocols import PROTOCOLS
 from flsmem.harness.ruler.report import row_key
 from flsmem.harness.ruler.tasks import MAX_NEW_TOKENS, TASKS, make_sample
 from flsmem.models import catalog
-from flsmem.validate import nonneg_int, positive_int, require
+from flsmem.validate import fail, nonneg_int, positive_int, require
 
 __all__ = ["Plan", "QUICK", "run", "add_arguments", "check_arguments", "run_cli"]
 
@@ -332,6 +332,11 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     require(not any(folder.is_file() for folder in out.parents),
             f"--out must be a file in a folder, but a file stands in its path {str(out)!r}")
     require(not args.report or out.is_file(), f"--report needs the results in --out, but {str(out)!r} does not exist")
+    if out.is_file():  # resumed or reported: its rows are read as text, and a run appends to it
+        try:
+            out.read_text()
+        except UnicodeDecodeError:
+            fail(f"--out must be a results file of JSON lines (UTF-8 text), but {str(out)!r} is not text")
     return plan, out
 
 
