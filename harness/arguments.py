@@ -9,11 +9,35 @@ own) whose message starts with the argument's name and says what is allowed.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 from typing import Iterator, NoReturn
 
-__all__ = ["usage_error", "checking", "read_text"]
+__all__ = ["ShowDefaults", "usage_error", "checking", "read_text"]
+
+# A default longer than this (a whole catalogue of policies or tasks) is described in
+# the option's own help instead.
+_LONGEST_DEFAULT = 40
+
+
+class ShowDefaults(argparse.HelpFormatter):
+    """``--help`` that ends each option's line with its default, ``(default: 50)``.
+
+    Left out: options whose help already says what the default is, flags, and options
+    with no default (None) or one too long to read at a glance."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in text or default is None or isinstance(default, bool)
+                or default == argparse.SUPPRESS):
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        if len(shown) > _LONGEST_DEFAULT:
+            return text
+        shown = (shown or repr(shown)).replace("%", "%%")  # argparse %-formats the help it is given
+        return f"{text} (default: {shown})"
 
 
 def usage_error(command: str, message: str) -> NoReturn:

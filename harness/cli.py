@@ -23,33 +23,36 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from flsmem.harness.arguments import ShowDefaults
+
     parser = argparse.ArgumentParser(prog="flsmem", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser(
+    command = functools.partial(commands.add_parser, formatter_class=ShowDefaults)
+    demo = command(
         "demo", help="stream synthetic attention through every policy; print a table and write a plot"
     )
     demo.add_argument("--budgets", type=_ints, default=[32, 64, 128], help="comma-separated budgets")
     demo.add_argument("--steps", type=int, default=512, help="length of each stream")
     demo.add_argument("--streams", type=int, default=8, help="independent streams (batch)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic attention")
     demo.add_argument("--plot", default="flsmem-demo.png", help="PNG path ('' for none)")
     demo.add_argument("--json", default=None, help="also write the rows as JSON here")
-    evaluate = commands.add_parser(
+    evaluate = command(
         "eval", help="every policy on held-out text with a decoder; print a table and write a plot"
     )
-    regime = commands.add_parser(
+    regime = command(
         "regime", help="the regime map: controlled tasks and text, every policy, lag sweep, correctness signals"
     )
-    learned = commands.add_parser(
+    learned = command(
         "learned", help="the learned estimator against rmm, h2o, tova, snapkv and the oracle, tasks and text"
     )
-    shift = commands.add_parser(
+    shift = command(
         "shift", help="an estimator pretrained off the tasks, served on them: does online learning close the gap?"
     )
-    generate = commands.add_parser(
+    generate = command(
         "generate", help="continue prompts with a bounded KV cache, printing tokens as they come"
     )
-    ruler = commands.add_parser(
+    ruler = command(
         "ruler", help="RULER's synthetic tasks under every policy, budget and protocol; results resume; a report"
     )
     from flsmem.harness import generate as generate_module

@@ -311,6 +311,43 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, no
     assert sorted(tmp_path.rglob("*")) == before  # nothing written
 
 
+@pytest.mark.parametrize("command, shown, hidden", [
+    ("ruler", ["--samples SAMPLES     samples per task and length (default: 50)", "(default: 1/8,1/4,1/2)"],
+     ["--report              measure nothing: write the report from --out ("]),
+    ("eval", ["(default: 512)", "(default: flsmem-eval.png)"], ["--json JSON           write the rows as JSON here ("]),
+    ("generate", ["(default: h2o)", "(default: 0.0)"], []),
+])
+def test_help_gives_each_options_default(command, shown, hidden, capsys):
+    """``--help`` ends an option's line with its default, except for flags, options
+    without one, and help that already says it."""
+    from flsmem.harness.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines at the terminal's width
+    for expected in shown:
+        assert " ".join(expected.split()) in text
+    for unexpected in hidden:
+        assert " ".join(unexpected.split()) not in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_the_help_formatter_escapes_a_default_and_skips_a_long_one():
+    import argparse
+
+    from flsmem.harness.arguments import ShowDefaults
+
+    parser = argparse.ArgumentParser(prog="x", formatter_class=ShowDefaults)
+    parser.add_argument("--share", default="5%", help="a share")
+    parser.add_argument("--names", default="a" * 41, help="many names")
+    parser.add_argument("--told", default=3, help="three (default: three)")
+    text = " ".join(parser.format_help().split())
+    assert "a share (default: 5%)" in text
+    assert "many names" in text and "a" * 41 not in text
+    assert "(default: three)" in text and "(default: 3)" not in text
+
+
 def test_eval_reads_a_users_text_file_and_standard_input(tmp_path, monkeypatch, capsys):
     """``--text FILE`` and ``--text -`` score the user's own text."""
     import io
