@@ -362,7 +362,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.drift", description=__doc__.split("\n\n")[0], formatter_class=ShowDefaults)
+    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.drift", description=__doc__.split("\n\n")[0],
+                                     formatter_class=ShowDefaults)
     parser.add_argument("--quick", action="store_true", help="fewer slots and steps (seconds, for tests)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the plot as PNG")

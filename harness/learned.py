@@ -215,7 +215,8 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="flsmem learned", description=__doc__.split("\n\n")[0], formatter_class=ShowDefaults)
+    parser = argparse.ArgumentParser(prog="flsmem learned", description=__doc__.split("\n\n")[0],
+                                     formatter_class=ShowDefaults)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -230,7 +230,8 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.paired", description=__doc__.split("\n\n")[0], formatter_class=ShowDefaults)
+    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.paired", description=__doc__.split("\n\n")[0],
+                                     formatter_class=ShowDefaults)
     parser.add_argument("run", help="the JSON file of a flsmem eval run (--json)")
     parser.add_argument("pairs", nargs="+",
                         help="FIRST-SECOND policy names, as in adakv(h2o)-h2o; with --ratio-to, policy names")

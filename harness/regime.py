@@ -499,7 +499,8 @@ def plot_curves(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="flsmem regime", description=__doc__.split("\n\n")[0], formatter_class=ShowDefaults)
+    parser = argparse.ArgumentParser(prog="flsmem regime", description=__doc__.split("\n\n")[0],
+                                     formatter_class=ShowDefaults)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 
