@@ -24,13 +24,13 @@ _LONGEST_DEFAULT = 40
 class ShowDefaults(argparse.HelpFormatter):
     """``--help`` that ends each option's line with its default, ``(default: 50)``.
 
-    Left out: options whose help already says what the default is, flags, and options
+    Left out: options whose help already gives its default ("(default: ..."), flags, and options
     with no default (None) or one too long to read at a glance."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (not action.option_strings or "default" in text or default is None or isinstance(default, bool)
+        if (not action.option_strings or "(default" in text or default is None or isinstance(default, bool)
                 or default == argparse.SUPPRESS):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "text file, or - for standard input")
     parser.add_argument("--context", type=int, default=512, help="tokens scored per window")
     parser.add_argument("--budgets", default="1/16,1/8,1/4", help="ints or fractions of the context")
-    parser.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated policy names (default: every policy but the learned ones and "
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES),
+                        help="comma-separated policy names (default: every policy but the learned ones and "
                              "expected_attention)")
     parser.add_argument("--evict-every", type=int, default=16, help="chunk length and eviction period")
     parser.add_argument("--windows", type=int, default=4, help="windows of the text, evaluated as a batch")

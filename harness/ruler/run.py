@@ -242,12 +242,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--length", type=int, default=None,
                         help="prompt length in the model's tokens, at most its trained context (default: 4096)")
     parser.add_argument("--lengths", default=None, help="several prompt lengths, comma-separated (instead of --length)")
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated RULER tasks among {', '.join(TASKS)} (default: all of them)")
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help=f"comma-separated RULER tasks among {', '.join(TASKS)} (default: all of them)")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES),
                         help="comma-separated eviction policies (as in flsmem eval; the learned ones too) (default: "
                              "every policy but the learned ones and expected_attention)")
     parser.add_argument("--budgets", default="1/8,1/4,1/2", help="fractions of the length kept, comma-separated")
-    parser.add_argument("--protocols", default=",".join(PROTOCOLS), help=f"comma-separated, among {', '.join(PROTOCOLS)} (default: all three)")
+    parser.add_argument("--protocols", default=",".join(PROTOCOLS),
+                        help=f"comma-separated, among {', '.join(PROTOCOLS)} (default: all three)")
     parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
     parser.add_argument("--evict-every", type=int, default=16, help="items that arrive between two evictions")
