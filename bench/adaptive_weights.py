@@ -12,13 +12,13 @@ every layer; the plot shows the same as one panel per budget.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 import jax
 import numpy as np
 
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import evaluate_nll, make_policy, split_settings
 from flsmem.harness.report import eval_windows
 from flsmem.models import catalog
@@ -39,7 +39,7 @@ def layer_weights(model, windows: np.ndarray, budget: int, chunk: int,
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.adaptive_weights", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.adaptive_weights", __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--text", default="persuasion", help="a bundled book")
     parser.add_argument("--context", type=int, default=1024)

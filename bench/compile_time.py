@@ -23,7 +23,6 @@ it (median over rounds) and the instructions of the compiled program.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from bench.overhead import BUDGET
 from flsmem import layers, policies
+from flsmem.harness.arguments import make_parser
 
 POLICIES = {
     "full": lambda: policies.make("full"),
@@ -49,7 +49,7 @@ POLICIES = {
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.compile_time", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.compile_time", __doc__)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=["full", "window", "h2o", "rmm"],

@@ -19,10 +19,11 @@ sliding window), compares the tokenizers on that text, and prints the largest di
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 
 import numpy as np
+
+from flsmem.harness.arguments import make_parser
 
 __all__ = ["reference_logits", "PROMPTS", "main"]
 
@@ -153,7 +154,7 @@ def _log_softmax(x):
 
 
 def main(argv=None) -> float:
-    parser = argparse.ArgumentParser(prog="python -m bench.gguf_reference", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.gguf_reference", __doc__)
     parser.add_argument("path", nargs="?", help="a GGUF file (default: SmolLM2-135M's, from its wheel)")
     parser.add_argument("--long", type=int, default=0, metavar="N",
                         help="also compare on the first N tokens of Persuasion (past Gemma's 512-token window)")

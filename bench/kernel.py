@@ -18,7 +18,6 @@ Two values of k: half the row, and N - 8 (eviction on schedule with evict_every 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bench import common
+from flsmem.harness.arguments import make_parser
 from flsmem.kernels.topk import topk_mask
 
 LEFT_OUT = 8
@@ -48,7 +48,7 @@ def implementations(backend: str) -> dict:
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.kernel", __doc__)
     parser.add_argument("--sizes", type=common.positive_ints, default=[256, 1024, 4096, 16384, 65536], help="N")
     parser.add_argument("--rows", type=common.positive_ints, default=[8, 128], help="R")
     parser.add_argument("--rounds", type=int, default=3)

@@ -11,13 +11,13 @@ on the first disagreement.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flsmem.harness.arguments import make_parser
 from flsmem.kernels.topk import topk_mask, topk_mask_reference
 
 NAN, INF = float("nan"), float("inf")
@@ -40,7 +40,7 @@ def cases(rng):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.kernel_check", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.kernel_check", __doc__)
     parser.add_argument("--interpret", action="store_true", help="run the kernel in the Pallas interpreter")
     args = parser.parse_args(argv)
     backend = jax.default_backend()

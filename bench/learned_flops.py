@@ -21,7 +21,6 @@ arithmetic against the model's own, for the shipped estimator at the budget
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -33,11 +32,12 @@ from bench.overhead import BUDGET
 from flsmem import estimator
 from flsmem.estimator import labels, network
 from flsmem.estimator.evidence import FEATURES
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import ESTIMATOR_DIR
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.learned_flops", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.learned_flops", __doc__)
     parser.add_argument("--models", type=common.choices(("tiny", "smollm2")), default=["tiny", "smollm2"])
     parser.add_argument("--evict-every", type=common.positive_ints, default=[1, 8, 32])
     parser.add_argument("--out", default="learned-flops", help="name of the results/bench/<name>.json file")

@@ -19,7 +19,6 @@ position, so all costs are ratios from one run:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -29,12 +28,13 @@ import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from flsmem import policies
+from flsmem.harness.arguments import make_parser
 
 BUDGET, EVICT_EVERY = 512, 8
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.longctx", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.longctx", __doc__)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
     parser.add_argument("--positions", type=common.positive_ints, default=[2048, 4096, 8192])
     parser.add_argument("--batch", type=common.positive_ints, default=[1, 8])

@@ -19,7 +19,6 @@ unless ``--cores`` says otherwise.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import jax
@@ -29,6 +28,7 @@ import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from flsmem import estimator, policies
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import ESTIMATOR_DIR
 
 POLICIES = {
@@ -50,7 +50,7 @@ BUDGET = {"tiny": 256, "smollm2": 512}
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.overhead", __doc__)
     parser.add_argument("--models", type=common.choices(("tiny", "smollm2")), default=["tiny", "smollm2"])
     parser.add_argument("--batch", type=common.positive_ints, default=[1, 8], help="batch sizes, e.g. 1,8")
     parser.add_argument("--policies", type=common.choices(tuple(POLICIES)), default=DEFAULT_POLICIES)

@@ -16,7 +16,6 @@ part of the ratio is the attention over N slots that any prefill of that length 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -29,6 +28,7 @@ import flsmem
 from bench import common
 from bench.step_trace import operation_times
 from flsmem import policies as P
+from flsmem.harness.arguments import make_parser
 from flsmem.models.decoder import init_memories
 
 
@@ -63,7 +63,7 @@ def top_operations(fn, args, top: int, calls: int = 2) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.prefill_chunk", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.prefill_chunk", __doc__)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
     parser.add_argument("--slots", type=common.positive_ints, default=[1024, 4096], help="memory slots")
     parser.add_argument("--chunk", type=int, default=128, help="tokens per prefill chunk")

@@ -22,13 +22,14 @@ import sys
 import time
 
 from bench import common
+from flsmem.harness.arguments import make_parser
 
 BUDGET, CHUNK = 512, 16
 POLICIES = ("full", "h2o")
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.prefill_memory", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.prefill_memory", __doc__)
     parser.add_argument("--model", choices=("tiny", "smollm2-135m"), default="smollm2-135m")
     parser.add_argument("--prefixes", type=common.positive_ints, default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--scored", type=int, default=1024, help="tokens scored after the prefix")

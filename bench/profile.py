@@ -17,7 +17,6 @@ evict = serving - no_evict (one eviction amortised over ``steps`` steps).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -29,6 +28,7 @@ import flsmem
 from bench import common
 from bench.loops import plain_cache, run_flsmem, run_plain, steady_memories
 from flsmem import policies
+from flsmem.harness.arguments import make_parser
 
 BUDGET = 512
 
@@ -48,7 +48,7 @@ def run_write_only(graphdef, params, memories, logits, start, *, steps):
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.profile", __doc__)
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
     parser.add_argument("--batch", type=common.positive_ints, default=[1, 8])
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed call")

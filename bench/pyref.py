@@ -30,7 +30,6 @@ a fresh network learning online, ``evict_every`` 32).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 
@@ -41,6 +40,7 @@ import numpy as np
 import flsmem
 from bench import common
 from flsmem import estimator, policies
+from flsmem.harness.arguments import make_parser
 
 RECENT = 16
 
@@ -149,7 +149,7 @@ def slot_attention(weights: np.ndarray, slots: int) -> jax.Array:
 
 
 def parse(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.pyref", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.pyref", __doc__)
     parser.add_argument("--sizes", type=common.positive_ints, default=[1024, 4096, 16384], help="N, items per row")
     parser.add_argument("--rows", type=int, default=90, help="rows (layers x KV heads x batch)")
     parser.add_argument("--evict-every", type=common.positive_ints, default=[1, 32])

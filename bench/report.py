@@ -8,7 +8,6 @@ the command is printed beside its table. Missing files are reported as not run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import shlex
@@ -16,6 +15,7 @@ import sys
 
 from bench import prefill_memory
 from bench.common import RESULTS
+from flsmem.harness.arguments import make_parser
 
 OUT = pathlib.Path("results") / "BENCHMARKS.md"
 
@@ -404,7 +404,7 @@ def build() -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.report", __doc__)
     parser.add_argument("--out", default=str(OUT), help="where to write the report")
     args = parser.parse_args(argv)
     text = build()

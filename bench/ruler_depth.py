@@ -19,10 +19,10 @@ single-needle and multi-key tasks) count.
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from pathlib import Path
 
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.ruler import report
 from flsmem.harness.ruler.tasks import make_sample
 from flsmem.models import catalog
@@ -48,7 +48,7 @@ def distance_to_end(sample: dict, tokenizer) -> int:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.ruler_depth", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.ruler_depth", __doc__)
     parser.add_argument("results", type=Path, help="a JSON-lines file of flsmem ruler")
     args = parser.parse_args(argv)
     if not args.results.is_file():

@@ -9,12 +9,12 @@ memory of each KV head, how many of the tokens around the needle are still held.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import numpy as np
 from flax import nnx
 
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import make_policy
 from flsmem.harness.ruler import protocols
 from flsmem.harness.ruler.tasks import make_sample
@@ -23,7 +23,7 @@ from flsmem.models.decoder import init_memories
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.ruler_needle", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.ruler_needle", __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--policy", default="snapkv")

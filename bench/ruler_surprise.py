@@ -29,7 +29,6 @@ needle is one surprise among thousands.
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import make_policy
 from flsmem.harness.ruler.tasks import TASKS, make_sample
 from flsmem.models import catalog
@@ -87,7 +87,7 @@ def measure(model, tokenizer, sample: dict, budget: float) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.ruler_surprise", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.ruler_surprise", __doc__)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1",

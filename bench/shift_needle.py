@@ -12,7 +12,6 @@ under h2o and the oracle, on the same samples and budget.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from fractions import Fraction
@@ -22,6 +21,7 @@ from tqdm.auto import tqdm
 
 from flsmem import estimator as E
 from flsmem.harness import shift
+from flsmem.harness.arguments import make_parser
 from flsmem.harness.evaluate import evaluate_windows, future_attention, make_policy
 
 
@@ -53,7 +53,7 @@ def retention(held: np.ndarray, needles: list[np.ndarray]) -> np.ndarray:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.shift_needle", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.shift_needle", __doc__)
     parser.add_argument("--fraction", default="1/2", help="the budget, a fraction of the window")
     parser.add_argument("--examples", type=int, default=24, help="samples per task (seed 0, the first ones)")
     parser.add_argument("--json", default="results/shift/smollm2/needle.json")

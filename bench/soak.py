@@ -26,7 +26,6 @@ the exit status is 1 if any invariant failed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -36,6 +35,7 @@ import numpy as np
 
 import flsmem
 from flsmem import estimator, policies
+from flsmem.harness.arguments import make_parser
 
 D = 8  # head dimension
 POLICIES = {
@@ -134,7 +134,7 @@ def soak(policy_name: str, steps: int, block: int, budget: int, evict_every: int
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.soak", __doc__)
     parser.add_argument("--steps", type=int, default=100_000, help="decode steps per policy")
     parser.add_argument("--block", type=int, default=1_000, help="steps per jitted block; invariants checked after each")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")

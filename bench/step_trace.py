@@ -20,7 +20,6 @@ count of its operations as much as their size.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -35,6 +34,7 @@ import numpy as np
 from bench import common
 from bench.overhead import POLICIES
 from bench.pyref import flsmem_memory, flsmem_steps, random_weights, slot_attention
+from flsmem.harness.arguments import make_parser
 
 
 def fused_from(hlo: str) -> dict[str, str]:
@@ -109,7 +109,7 @@ def trace_loops(model_name: str, batch: int, policy: str, evict_every: int, step
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.step_trace", description=__doc__.split("\n\n")[0])
+    parser = make_parser("python -m bench.step_trace", __doc__)
     parser.add_argument("--n", type=int, default=4096, help="items per row")
     parser.add_argument("--rows", type=int, default=90)
     parser.add_argument("--evict-every", type=int, default=64)

@@ -14,7 +14,7 @@ import contextlib
 import sys
 from typing import Iterator, NoReturn
 
-__all__ = ["ShowDefaults", "usage_error", "checking", "read_text"]
+__all__ = ["ShowDefaults", "make_parser", "usage_error", "checking", "read_text"]
 
 # A default longer than this (a whole catalogue of policies or tasks) is described in
 # the option's own help instead.
@@ -39,6 +39,12 @@ class ShowDefaults(argparse.HelpFormatter):
         shown = (shown or repr(shown)).replace("%", "%%")  # argparse %-formats the help it is given
         return f"{text} (default: {shown})"
 
+
+
+def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a command run as ``prog``: the first paragraph of its module's ``doc``
+    as the description, and each option's default in ``--help`` (:class:`ShowDefaults`)."""
+    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0], formatter_class=ShowDefaults)
 
 def usage_error(command: str, message: str) -> NoReturn:
     """What ``argparse.ArgumentParser.error`` does, without the usage lines: print

@@ -35,7 +35,6 @@ one row of a cache would) times blocks of queries.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -49,7 +48,7 @@ import numpy as np
 import flsmem
 from flsmem import policies as P
 from flsmem import theory
-from flsmem.harness.arguments import ShowDefaults
+from flsmem.harness.arguments import make_parser
 
 __all__ = ["Plan", "FULL", "QUICK", "Q_OVER_R", "CROSSOVER", "BETAS", "decay_grid", "run", "format_table", "plot", "main"]
 
@@ -362,8 +361,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.drift", description=__doc__.split("\n\n")[0],
-                                     formatter_class=ShowDefaults)
+    parser = make_parser("python -m flsmem.harness.drift", __doc__)
     parser.add_argument("--quick", action="store_true", help="fewer slots and steps (seconds, for tests)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write the plot as PNG")

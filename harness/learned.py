@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from flsmem.harness import regime
-from flsmem.harness.arguments import ShowDefaults, checking
+from flsmem.harness.arguments import checking, make_parser
 
 __all__ = ["POLICIES", "FULL", "QUICK", "targets", "format_report", "format_seeds", "main"]
 
@@ -215,8 +215,7 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="flsmem learned", description=__doc__.split("\n\n")[0],
-                                     formatter_class=ShowDefaults)
+    parser = make_parser("flsmem learned", __doc__)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

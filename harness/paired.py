@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flsmem.harness.arguments import ShowDefaults
+from flsmem.harness.arguments import make_parser
 
 __all__ = ["paired_difference", "table", "seeds_table", "join", "ratio_table", "main"]
 
@@ -230,8 +230,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m flsmem.harness.paired", description=__doc__.split("\n\n")[0],
-                                     formatter_class=ShowDefaults)
+    parser = make_parser("python -m flsmem.harness.paired", __doc__)
     parser.add_argument("run", help="the JSON file of a flsmem eval run (--json)")
     parser.add_argument("pairs", nargs="+",
                         help="FIRST-SECOND policy names, as in adakv(h2o)-h2o; with --ratio-to, policy names")

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from flsmem import policies as P
-from flsmem.harness.arguments import ShowDefaults, checking
+from flsmem.harness.arguments import checking, make_parser
 from flsmem.validate import require
 
 __all__ = ["MAP_POLICIES", "LAGS", "SIGNALS", "Plan", "FULL", "QUICK", "tasks_model", "task_setting", "run", "winners",
@@ -499,8 +499,7 @@ def plot_curves(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="flsmem regime", description=__doc__.split("\n\n")[0],
-                                     formatter_class=ShowDefaults)
+    parser = make_parser("flsmem regime", __doc__)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -54,7 +54,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 from tqdm.auto import tqdm
 
-from flsmem.harness.arguments import ShowDefaults, checking
+from flsmem.harness.arguments import checking, make_parser
 from flsmem.validate import require
 
 __all__ = ["ShiftPlan", "QUICK", "RULER", "stream", "run", "references", "target_tasks", "recovered", "against", "format_report", "format_against", "main"]
@@ -657,8 +657,7 @@ def run_cli(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="flsmem shift", description=__doc__.split("\n\n")[0],
-                                     formatter_class=ShowDefaults)
+    parser = make_parser("flsmem shift", __doc__)
     add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -326,3 +326,28 @@ def test_shift_needle_refuses_a_bad_command_line_before_any_work(argv, message, 
     with pytest.raises(SystemExit) as exit_:
         shift_needle.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+# Options of these commands have no default to show (kernel_check's one option is a flag,
+# ruler_depth takes only its results file).
+_NO_DEFAULTS = {"kernel_check", "ruler_depth"}
+
+
+def test_every_benchmark_gives_its_defaults_in_help(capsys):
+    import importlib
+    import pathlib
+
+    names = sorted(p.stem for p in pathlib.Path(common.__file__).parent.glob("*.py") if p.stem != "__init__")
+    commands = {}
+    for name in names:
+        module = importlib.import_module(f"bench.{name}")
+        entry = getattr(module, "parse", None) or getattr(module, "main", None)
+        if entry is not None:
+            commands[name] = entry
+    assert len(commands) >= 19
+    for name, entry in commands.items():
+        with pytest.raises(SystemExit) as stop:
+            entry(["--help"])
+        text = capsys.readouterr().out
+        assert stop.value.code == 0 and text.startswith(f"usage: python -m bench.{name}"), name
+        assert ("(default:" in text) == (name not in _NO_DEFAULTS), name

@@ -334,11 +334,9 @@ def test_help_gives_each_options_default(command, shown, hidden, capsys):
 
 
 def test_the_help_formatter_escapes_a_default_and_skips_a_long_one():
-    import argparse
+    from flsmem.harness.arguments import make_parser
 
-    from flsmem.harness.arguments import ShowDefaults
-
-    parser = argparse.ArgumentParser(prog="x", formatter_class=ShowDefaults)
+    parser = make_parser("x", "What x does.\n\nHow it does it.")
     parser.add_argument("--share", default="5%", help="a share")
     parser.add_argument("--names", default="a" * 41, help="many names")
     parser.add_argument("--told", default=3, help="three (default: three)")
@@ -346,6 +344,7 @@ def test_the_help_formatter_escapes_a_default_and_skips_a_long_one():
     assert "a share (default: 5%)" in text
     assert "many names" in text and "a" * 41 not in text
     assert "(default: three)" in text and "(default: 3)" not in text
+    assert "What x does." in text and "How it does it." not in text  # the first paragraph only
 
 
 def test_eval_reads_a_users_text_file_and_standard_input(tmp_path, monkeypatch, capsys):
