@@ -263,6 +263,30 @@ def test_the_runner_answers_under_every_protocol_and_resumes(tmp_path, monkeypat
     assert run.run(plan, out, progress=False) == 0
 
 
+def test_a_protocol_added_to_a_file_copies_the_full_caches_answer(tmp_path, monkeypatch):
+    """The full cache's answer, recorded under one protocol, is every protocol's: a later
+    run that asks for other protocols copies it and loads no model; a sample it lacks is
+    still answered."""
+    from flsmem.harness.ruler import run
+    from flsmem.models import catalog
+
+    def full_row(index):
+        return {"model": "tiny", "task": "niah_single_1", "length": 512, "index": index, "seed": 0,
+                "policy": "full", "protocol": "stream", "budget": 1.0, "evict_every": 16,
+                "prediction": "7", "score": 1.0, "seconds": 3.0}
+
+    out = tmp_path / "tiny.jsonl"
+    out.write_text(json.dumps(full_row(0)) + "\n")
+    plan = run.Plan(model="tiny", lengths=(512,), tasks=("niah_single_1",), policies=("full",), budgets=(0.25,),
+                    protocols=("question-agnostic", "question-aware", "stream"), samples=1)
+    monkeypatch.setattr(catalog, "load", lambda name: pytest.fail("copying an answer loads no model"))
+    assert run.run(plan, out, progress=False) == 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["protocol"] for r in rows] == ["stream", "question-agnostic", "question-aware"]
+    assert all({**r, "protocol": "stream"} == full_row(0) for r in rows)
+    with pytest.raises(pytest.fail.Exception, match="loads no model"):
+        run.run(dataclasses.replace(plan, samples=2), out, progress=False)
+
 
 def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
     """As in ``flsmem eval``: SmolLM2's learned policies use the estimator pretrained on

@@ -5,7 +5,9 @@ tokenizer), every policy answers at every budget (a fraction of the length: the 
 each layer's memory row keeps) under every protocol (:mod:`.protocols`), decoding
 greedily up to the task's token limit; the answer is scored as RULER scores it
 (:mod:`.score`). The full cache never evicts, so its answer is the same under every
-protocol: it is computed once per sample and recorded for each protocol at budget 1.
+protocol: it is computed once per sample and recorded for each protocol at budget 1,
+and a protocol added to a file that holds the full cache's answer under another one
+copies that answer rather than computing it again.
 
 Each answer is appended at once as one JSON line to ``--out``; a run given the same
 file skips what it holds, so an interrupted run resumes where it stopped. The report
@@ -75,14 +77,15 @@ class Plan:
     estimator: str | None = None
 
 
-def _done(out: Path) -> set[tuple]:
-    """Keys of the rows already in ``out`` (a line cut short by an interruption is skipped)."""
+def _done(out: Path) -> dict[tuple, dict]:
+    """The rows already in ``out`` by their key (a line cut short by an interruption is skipped)."""
     if not out.is_file():
-        return set()
-    done = set()
+        return {}
+    done = {}
     for line in out.read_text().splitlines():
         try:
-            done.add(row_key(json.loads(line)))
+            row = json.loads(line)
+            done[row_key(row)] = row
         except (json.JSONDecodeError, KeyError, TypeError):
             continue
     return done
@@ -105,8 +108,11 @@ def _estimator(plan: Plan) -> Path:
     return Path(plan.estimator or estimator_for(plan.model))
 
 
-def _jobs(plan: Plan, samples: list[dict], done: set[tuple]) -> Iterator[tuple[str, dict, list[tuple[str, float]]]]:
-    """``(policy, sample, [(protocol, budget), ...])`` still to answer, policy by policy."""
+def _jobs(plan: Plan, samples: list[dict], done: dict[tuple, dict]
+          ) -> Iterator[tuple[str, dict, list[tuple[str, float]], dict | None]]:
+    """``(policy, sample, [(protocol, budget), ...], answered)`` still to answer, policy by
+    policy; ``answered`` is the full cache's row of the sample under a protocol outside
+    the list, when ``done`` holds one (its answer is every protocol's), else None."""
     for policy in plan.policies:
         arms = [(p, 1.0) for p in plan.protocols] if policy == "full" else [
             (p, b) for p in plan.protocols for b in plan.budgets]
@@ -116,7 +122,11 @@ def _jobs(plan: Plan, samples: list[dict], done: set[tuple]) -> Iterator[tuple[s
                     **({"estimator": _estimator(plan).name} if "learned" in policy else {})}
             todo = [(p, b) for p, b in arms if row_key({**base, "protocol": p, "budget": b}) not in done]
             if todo:
-                yield policy, sample, todo
+                answered = None
+                if policy == "full":
+                    keys = (row_key({**base, "protocol": p, "budget": 1.0}) for p in PROTOCOLS)
+                    answered = next((done[k] for k in keys if k in done), None)
+                yield policy, sample, todo, answered
 
 
 def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
@@ -137,13 +147,20 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
     samples = [make_sample(task, length, index, tokenizer, plan.seed)
                for length in plan.lengths for task in plan.tasks for index in range(plan.samples)]
     jobs = list(_jobs(plan, samples, _done(out)))
+    written = 0
+    for _, _, arms, answered in jobs:
+        if answered is not None:
+            for protocol, _ in arms:
+                _append(out, {**answered, "protocol": protocol})
+                written += 1
+    jobs = [(policy, sample, arms) for policy, sample, arms, answered in jobs if answered is None]
     if not jobs:
-        return 0
+        return written
     if model is None:
         model, _ = catalog.load(plan.model)
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
-    written, last_policy = 0, None
+    last_policy = None
     answerer = _Answerer(plan, model, tokenizer)
     for policy, sample, arms in jobs:
         if policy != last_policy:
