@@ -126,6 +126,26 @@ def test_the_report_marks_tasks_beyond_the_model_and_leaves_them_out(tmp_path):
 
 
 
+def test_the_report_pairs_a_policy_across_protocols():
+    """h2o under two protocols on the same samples: question-aware minus question-agnostic,
+    hand-computed: vt 1 - 0 on both samples, niah_single_1 0 - 0 and 1 - 0, so
+    (100 + 50) / 2 = 75 points over 4 pairs; a protocol alone pairs with nothing."""
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(2):
+        rows += [_row(task, "full", "stream", 1.0, index, 1.0) for task in ("vt", "niah_single_1")]
+        rows += [_row("vt", "h2o", "question-agnostic", 0.25, index, 0.0),
+                 _row("vt", "h2o", "question-aware", 0.25, index, 1.0),
+                 _row("niah_single_1", "h2o", "question-agnostic", 0.25, index, 0.0),
+                 _row("niah_single_1", "h2o", "question-aware", 0.25, index, float(index)),
+                 _row("vt", "rmm", "stream", 0.25, index, 1.0)]
+    text = report.format_report(rows, "t")
+    # The interval: vt's pairs always differ by 1, niah_single_1's resample to 0, 1/2 or 1.
+    assert "| h2o | 0.25 | question-aware minus question-agnostic | +75 [+50, +100] (4) |" in text
+    assert "| rmm | 0.25 | stream" not in text
+
+
 def test_an_average_over_fewer_tasks_says_so():
     """A policy run on some of the tasks has an average that cannot be set beside the
     others': the report says over how many tasks it is."""

@@ -220,6 +220,30 @@ def _paired(by_sample, length, policies, kept, reference) -> list[str]:
     return lines + rows + [""] if rows else []
 
 
+def _across_protocols(by_sample, length, policies, kept) -> list[str]:
+    """Each evicting arm answered under several protocols: every later protocol minus the
+    first (in :data:`PROTOCOLS`' order, question-agnostic first), paired over samples;
+    nothing when no arm was."""
+    found = defaultdict(list)
+    for (n, protocol, policy, budget) in by_sample:
+        if n == length and policy != "full":
+            found[(policy, budget)].append(protocol)
+    lines = []
+    for (policy, budget), protocols in sorted(found.items(), key=lambda a: (policies.index(a[0][0]), a[0][1])):
+        protocols = sorted(protocols, key=lambda p: PROTOCOLS.index(p) if p in PROTOCOLS else 9)
+        first = by_sample[(length, protocols[0], policy, budget)]
+        for later in protocols[1:]:
+            difference = _difference(by_sample[(length, later, policy, budget)], first, kept)
+            lines.append(f"| {policy} | {budget:g} | {later} minus {protocols[0]} | {difference} |")
+    if not lines:
+        return []
+    return ["### Across protocols", "",
+            "Percentage points, a policy's score under one protocol minus its score under another on the same "
+            "samples and budget, averaged over the tasks both answered, with a 95% bootstrap interval over "
+            "samples and, in parentheses, the number of pairs.", "",
+            "| policy | budget | protocols | difference |", "|---|---|---|---|", *lines, ""]
+
+
 def _checkpoints(rows, scores, length, kept) -> list[str]:
     """A policy answered with several estimator checkpoints: each checkpoint's average
     over the tasks every one of them answered, and their mean and standard deviation
@@ -274,6 +298,7 @@ def format_report(rows: list[dict], title: str) -> str:
             lines += _protocol_table(scores, length, protocol, policies, kept, beyond, most) + [""]
         for reference in REFERENCES:
             lines += _paired(by_sample, length, policies, kept, reference)
+        lines += _across_protocols(by_sample, length, policies, kept)
         lines += _checkpoints(rows, scores, length, kept)
     return "\n".join(lines)
 
