@@ -308,6 +308,28 @@ def test_a_protocol_added_to_a_file_copies_the_full_caches_answer(tmp_path, monk
         run.run(dataclasses.replace(plan, samples=2), out, progress=False)
 
 
+def test_shards_split_the_plans_jobs_between_them():
+    """Three shards answer every job of the plan once between them, each the same jobs
+    whatever is already answered (a shard resumes its own)."""
+    from flsmem.harness.ruler import run
+
+    plan = run.Plan(model="tiny", lengths=(512,), tasks=("vt",), policies=("full", "h2o", "rmm"), budgets=(0.25,),
+                    protocols=("stream",), samples=4)
+    samples = [{"task": "vt", "length": 512, "index": i, "seed": 0} for i in range(4)]
+
+    def jobs(shard, done=()):
+        return [(policy, sample["index"]) for policy, sample, _, _ in
+                run._jobs(dataclasses.replace(plan, shard=shard), samples, dict.fromkeys(done))]
+
+    whole = jobs((0, 1))
+    parts = [jobs((k, 3)) for k in range(3)]
+    assert len(whole) == 12 and sorted(sum(parts, [])) == sorted(whole)
+    assert parts[0] == [("full", 0), ("full", 3), ("h2o", 2), ("rmm", 1)]
+    first = run.row_key({"model": "tiny", "task": "vt", "length": 512, "index": 0, "seed": 0, "policy": "full",
+                         "protocol": "stream", "budget": 1.0, "evict_every": 16})
+    assert jobs((0, 3), done=[first]) == parts[0][1:] and jobs((1, 3), done=[first]) == parts[1]
+
+
 def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
     """As in ``flsmem eval``: SmolLM2's learned policies use the estimator pretrained on
     its traces unless ``--estimator`` names another, and each row says which. The model
@@ -360,6 +382,8 @@ BAD_ARGUMENTS = {
     "out not text": (["--out", "{tmp}/binary.jsonl"], "--out must be a results file"),
     "report of a binary file": (["--report", "--out", "{tmp}/binary.jsonl"], "--out must be a results file"),
     "estimator not a checkpoint": (["--policies", "learned", "--estimator", "{tmp}"], "--estimator"),
+    "shard past its count": (["--shard", "2/2"], "--shard"),
+    "shard not a fraction": (["--shard", "half"], "--shard"),
 }
 
 

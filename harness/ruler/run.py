@@ -10,7 +10,9 @@ and a protocol added to a file that holds the full cache's answer under another 
 copies that answer rather than computing it again.
 
 Each answer is appended at once as one JSON line to ``--out``; a run given the same
-file skips what it holds, so an interrupted run resumes where it stopped. The report
+file skips what it holds, so an interrupted run resumes where it stopped. ``--shard K/N``
+answers every N-th job of the plan, from the K-th: N processes (one per core, or per
+accelerator) given the same plan and file share its work, each appending whole lines. The report
 (:mod:`.report`) is written next to the file at the end, or alone with ``--report``.
 """
 
@@ -63,6 +65,9 @@ class Plan:
       evict_every: items that arrive between two evictions.
       estimator: checkpoint folder of the learned policies; None, the one shipped for
         ``model`` (:func:`flsmem.harness.evaluate.estimator_for`), as ``flsmem eval`` does.
+      shard: ``(K, N)``: answer the jobs (a policy and a sample) whose place in the plan's
+        order is K modulo N; the place counts the jobs already answered too, so a shard
+        resumes the same jobs.
     """
 
     model: str
@@ -75,6 +80,7 @@ class Plan:
     seed: int = 0
     evict_every: int = 16
     estimator: str | None = None
+    shard: tuple[int, int] = (0, 1)
 
 
 def _done(out: Path) -> dict[tuple, dict]:
@@ -113,10 +119,14 @@ def _jobs(plan: Plan, samples: list[dict], done: dict[tuple, dict]
     """``(policy, sample, [(protocol, budget), ...], answered)`` still to answer, policy by
     policy; ``answered`` is the full cache's row of the sample under a protocol outside
     the list, when ``done`` holds one (its answer is every protocol's), else None."""
+    place = -1
     for policy in plan.policies:
         arms = [(p, 1.0) for p in plan.protocols] if policy == "full" else [
             (p, b) for p in plan.protocols for b in plan.budgets]
         for sample in samples:
+            place += 1
+            if place % plan.shard[1] != plan.shard[0]:
+                continue
             base = {"model": plan.model, "policy": policy, "evict_every": plan.evict_every,
                     **{k: sample[k] for k in ("task", "length", "index", "seed")},
                     **({"estimator": _estimator(plan).name} if "learned" in policy else {})}
@@ -278,6 +288,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimator", default=None, metavar="DIR",
                         help="estimator checkpoint of the learned policies (default: the one shipped for --model, "
                              "as in flsmem eval)")
+    parser.add_argument("--shard", default="0/1", metavar="K/N",
+                        help="answer every N-th job (a policy and a sample) from the K-th, so that N processes given "
+                             "the same arguments share one run and one --out")
     parser.add_argument("--report", action="store_true", help="measure nothing: write the report from --out")
 
 
@@ -302,6 +315,15 @@ def _fractions(text: str) -> tuple[float, ...]:
         require(0 < value <= 1, f"--budgets must lie in (0, 1], got {part!r}")
         found.append(float(value))
     return tuple(dict.fromkeys(found))
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be K/N, two ints like 0/2, got {text!r}") from None
+    require(count >= 1 and 0 <= index < count, f"--shard K/N needs N >= 1 and 0 <= K < N, got {text!r}")
+    return index, count
 
 
 def _lengths(args: argparse.Namespace) -> tuple[int, ...]:
@@ -330,7 +352,8 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
         policies=_names("--policies", args.policies, POLICY_NAMES + LEARNED_NAMES + PEER_NAMES, is_policy_name),
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
-        evict_every=positive_int("--evict-every", args.evict_every), estimator=args.estimator)
+        evict_every=positive_int("--evict-every", args.evict_every), estimator=args.estimator,
+        shard=_shard(args.shard))
     check_estimator(plan.estimator)
     check_policies("--policies", plan.policies, _budget_tokens(min(plan.budgets), min(plan.lengths)))
     pyramids = [p for p in plan.policies if "pyramid(" in p]
