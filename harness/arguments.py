@@ -40,11 +40,11 @@ class ShowDefaults(argparse.HelpFormatter):
         return f"{text} (default: {shown})"
 
 
-
 def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """The parser of a command run as ``prog``: the first paragraph of its module's ``doc``
     as the description, and each option's default in ``--help`` (:class:`ShowDefaults`)."""
     return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0], formatter_class=ShowDefaults)
+
 
 def usage_error(command: str, message: str) -> NoReturn:
     """What ``argparse.ArgumentParser.error`` does, without the usage lines: print

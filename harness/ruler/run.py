@@ -12,8 +12,9 @@ copies that answer rather than computing it again.
 Each answer is appended at once as one JSON line to ``--out``; a run given the same
 file skips what it holds, so an interrupted run resumes where it stopped. ``--shard K/N``
 answers every N-th job of the plan, from the K-th: N processes (one per core, or per
-accelerator) given the same plan and file share its work, each appending whole lines. The report
-(:mod:`.report`) is written next to the file at the end, or alone with ``--report``.
+accelerator) given the same plan and file share its work, each appending whole lines.
+The report (:mod:`.report`) is written next to the file at the end, or alone with
+``--report``.
 """
 
 from __future__ import annotations
