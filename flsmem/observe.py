@@ -55,10 +55,17 @@ def observe_one(
     t = state.step
     present = state.valid & (state.birth <= t[:, None, None])
     finite_w = jnp.isfinite(correctness)
-    # Whether a row saw a non-finite entry, as one max-reduction (NaN and Inf carry
-    # through a max, and a max of finite magnitudes cannot overflow), where a count of
-    # ``present & ~isfinite`` would take several passes over the row.
-    largest = jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2))
+    # Whether a row saw a non-finite entry where an item is present. NaN and Inf carry
+    # through a max (and a max of finite magnitudes cannot overflow), so one reduction
+    # of the attention as it comes says that none is anywhere, the usual case; only
+    # then is the mask applied, in a branch. Masking first would write the masked
+    # attention out in full before reducing it: XLA on CPU does not fuse a reduction
+    # with its producer.
+    def masked_largest(_):
+        return jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2))
+
+    largest = jnp.max(jnp.abs(attention), axis=(1, 2))
+    largest = lax.cond(jnp.all(jnp.isfinite(largest)), lambda _: largest, masked_largest, None)
     bad = ~jnp.isfinite(largest) | ~finite_w
     attention = jnp.where(present & jnp.isfinite(attention), attention, 0.0)
     correctness = jnp.where(finite_w, correctness, 0.0)

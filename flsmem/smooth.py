@@ -43,6 +43,10 @@ def smooth(state: MemoryState) -> MemoryState:
         return raw / (ages + 1).astype(jnp.float32) if policy.normalise_by_age else raw
 
     raw = committed(policy.score)
+    fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
+
+    def robust(raw):
+        return jnp.where(here, jnp.where(jnp.isfinite(raw), raw, fallback), 0.0)
 
     def with_fallbacks(raw):
         not_finite = here & ~jnp.isfinite(raw)
@@ -51,17 +55,22 @@ def smooth(state: MemoryState) -> MemoryState:
             # One scale per row: a row with any bad score is ranked wholly by the fallback.
             row_bad = jnp.any(not_finite, axis=-1, keepdims=True)
             raw = jnp.where(row_bad, committed(policy.fallback_score), raw)
-        fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
-        return jnp.where(here, jnp.where(jnp.isfinite(raw), raw, fallback), 0.0), fell_back
+        return robust(raw), fell_back
 
-    def all_finite(raw):
-        return jnp.where(here, raw, 0.0), jnp.zeros(state.step.shape, jnp.int32)
-
-    # The fallbacks are for rows gone wrong: one max-reduction over the scores (a
-    # non-finite one carries through it) decides whether any row needs them, and the
-    # usual step pays for nothing more. Both branches compute the scores they return:
-    # an array passed through a conditional unchanged is copied by XLA.
-    finite = jnp.isfinite(jnp.max(jnp.abs(jnp.where(here, raw, 0.0))))
-    score, fell_back = lax.cond(finite, all_finite, with_fallbacks, raw)
+    # The fallbacks are for rows gone wrong. One max-reduction over the scores of every
+    # slot (a non-finite one carries through it) says that no row needs them, the usual
+    # case; only then are they counted, in a branch. It reads the scores as they are, not
+    # masked to the present slots: XLA on CPU would write the masked scores out in full
+    # before reducing them. A free slot's stale score can only send a step to the count.
+    finite = jnp.all(jnp.isfinite(jnp.max(jnp.abs(raw), axis=(1, 2))))
+    if policy.fallback_score is None:
+        # The scores are committed outside the branch, in one pass (an array a
+        # conditional returns is copied by XLA); only the count goes through it.
+        score = robust(raw)
+        fell_back = lax.cond(finite, lambda _: jnp.zeros(state.step.shape, jnp.int32),
+                             lambda raw: with_fallbacks(raw)[1], raw)
+    else:
+        score, fell_back = lax.cond(finite, lambda raw: (robust(raw), jnp.zeros(state.step.shape, jnp.int32)),
+                                    with_fallbacks, raw)
     stats = state.stats.replace(fallbacks=state.stats.fallbacks + fell_back)
     return state.replace(score=score, stats=stats)

@@ -32,7 +32,11 @@ def _targets(state: MemoryState, q: int):
     # two-operand reduction, runs several times slower than a min on CPU). The ranking
     # runs only when some row is full.
     s = state.valid.shape[-1]
-    lowest = jnp.min(jnp.where(state.valid, s, lax.broadcasted_iota(jnp.int32, state.valid.shape, 2)), axis=-1)
+    # In float32 (exact below 2**24 slots): XLA on CPU runs an int32 min over a row as
+    # a tree of reduce-windows, several times slower than a float min.
+    dtype = jnp.float32 if s < 2**24 else jnp.int32
+    slot = lax.broadcasted_iota(dtype, state.valid.shape, 2)
+    lowest = jnp.min(jnp.where(state.valid, s, slot), axis=-1).astype(jnp.int32)
 
     def lowest_free(state):
         return lowest[..., None], jnp.zeros(lowest.shape + (1,), jnp.bool_)

@@ -90,6 +90,24 @@ def test_nonfinite_inputs_are_no_evidence_and_counted():
     assert float(state.evidence[1, 0, 0, 0]) == 0.0
 
 
+def test_nonfinite_entries_of_free_slots_are_neither_inputs_nor_fallbacks():
+    """Only present items are checked. ``observe`` and ``smooth`` first reduce every
+    slot, free ones too, and count in a masked branch when that finds a non-finite
+    entry; the branch must leave a free slot's entries out."""
+    config = testing.tiny_config(policy=P.h2o(), budget=4)
+    state = flsmem.write(testing.tiny_memory(config), KV, jnp.array([0, 0]))  # slot 0 holds it, slot 1 is free
+    attention = jnp.zeros((2, 2, state.slots)).at[0, 0, 1].set(jnp.nan).at[1, 1, 1].set(jnp.inf)
+    state = flsmem.update(state, attention.at[1, 0, 0].set(jnp.nan))
+    assert state.stats.nonfinite_inputs.tolist() == [0, 1]
+    assert float(state.evidence[0, 0, 1, 0]) == 0.0
+    stale = state.replace(evidence=state.evidence.at[:, :, 1].set(jnp.nan))
+    assert flsmem.smooth(stale).stats.fallbacks.tolist() == state.stats.fallbacks.tolist()
+    broken = stale.replace(evidence=stale.evidence.at[0, 1, 0].set(jnp.inf))
+    smoothed = flsmem.smooth(broken)
+    assert (smoothed.stats.fallbacks - state.stats.fallbacks).tolist() == [1, 0]
+    assert float(smoothed.score[0, 1, 0]) < -1e29 and bool(jnp.all(jnp.isfinite(smoothed.score)))
+
+
 def test_missed_evictions_force_replacement_and_are_counted():
     config = testing.tiny_config(policy=P.h2o(), budget=2)
     state = testing.tiny_memory(config, batch=1, kv_heads=1)

@@ -86,9 +86,14 @@ class UseRecencyParams(Params):
 
 
 def _fold_decayed_sum(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
-    """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0)."""
-    e = view.evidence[..., 0]
-    return with_column(view, policy.params.decay * e + weight(policy.params.weighted, obs) * obs.attention), aux
+    """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0).
+
+    Computed on the evidence as it is laid out, ``[B, K, S, 1]``: read through a slice,
+    the evidence is not updated in place by XLA but written anew and copied back into
+    the memory at every step (``python -m bench.step_trace``)."""
+    e = view.evidence
+    new = policy.params.decay * e + (weight(policy.params.weighted, obs) * obs.attention)[..., None]
+    return jnp.where(view.present[..., None], new, e), aux
 
 
 def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
