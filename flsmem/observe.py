@@ -59,8 +59,8 @@ def observe_one(
     # through a max (and a max of finite magnitudes cannot overflow), so one reduction
     # of the attention as it comes says that none is anywhere, the usual case; only
     # then is the mask applied, in a branch. Masking first would write the masked
-    # attention out in full before reducing it: XLA on CPU does not fuse a reduction
-    # with its producer.
+    # attention out in full before reducing it: XLA on CPU does not fuse a mask into a
+    # reduction.
     def masked_largest(_):
         return jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2))
 

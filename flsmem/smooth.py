@@ -40,7 +40,12 @@ def smooth(state: MemoryState) -> MemoryState:
 
     def committed(score_fn):
         raw = score_fn(policy, view, state.aux).astype(jnp.float32)
-        return raw / (ages + 1).astype(jnp.float32) if policy.normalise_by_age else raw
+        if not policy.normalise_by_age:
+            return raw
+        # A present item's age is at least 1. An item still to arrive (a chunk's later
+        # items) has age 0 or below and is committed to 0 whatever it divides to, but a
+        # division by 0 would send the finiteness check below to its slow branch.
+        return raw / jnp.maximum(ages + 1, 1).astype(jnp.float32)
 
     raw = committed(policy.score)
     fallback = FALLBACK_SCALE / (state.birth + 1).astype(jnp.float32)
