@@ -384,6 +384,7 @@ BAD_ARGUMENTS = {
     "estimator not a checkpoint": (["--policies", "learned", "--estimator", "{tmp}"], "--estimator"),
     "shard past its count": (["--shard", "2/2"], "--shard"),
     "shard not a fraction": (["--shard", "half"], "--shard"),
+    "quick with budgets": (["--quick", "--budgets", "2"], "--quick sets"),
 }
 
 

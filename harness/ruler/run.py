@@ -285,7 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON-lines results, resumed if present (default: results/ruler/MODEL.jsonl, "
                              "MODEL-quick.jsonl with --quick); the report goes beside it (.md, .png)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: 1 sample of niah_single_1, full and h2o at 1/4, every protocol")
+                        help="a smoke run: 1 sample of niah_single_1, full and h2o at 1/4, every protocol "
+                             "(it sets --tasks, --policies, --budgets and --samples: give none of them)")
     parser.add_argument("--estimator", default=None, metavar="DIR",
                         help="estimator checkpoint of the learned policies (default: the one shipped for --model, "
                              "as in flsmem eval)")
@@ -384,12 +385,24 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
     return plan, out
 
 
+def _check_quick(args: argparse.Namespace) -> None:
+    """``--quick`` chooses the tasks, policies, budgets and samples itself: one of them
+    given beside it would be silently replaced, so it is an error."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [f"--{name}" for name in QUICK if getattr(args, name) != defaults[name]]
+    require(not given, f"--quick sets {', '.join('--' + name for name in QUICK)} itself; "
+                       f"leave out {', '.join(given)}")
+
+
 def run_cli(args: argparse.Namespace) -> Path:
     """``flsmem ruler``: measure (unless ``--report``), then write the report; returns
     the report's path."""
-    if args.quick:
-        vars(args).update(QUICK)
     with checking(COMMAND):
+        if args.quick:
+            _check_quick(args)
+            vars(args).update(QUICK)
         plan, out = check_arguments(args)
         if not args.report:
             tokenizer = catalog.load_tokenizer(plan.model)
