@@ -16,8 +16,9 @@ from flsmem.typing import Array, Float, PyTree
 __all__ = ["KalmanParams", "kalman"]
 
 # Kalman evidence columns: the filter (mean, variance P, measurements folded) and, for
-# the adaptive filter, the derivatives of the mean and of P / r with respect to
-# log(q / r).
+# the adaptive filter only, the derivatives of the mean and of P / r with respect to
+# log(q / r). The fixed filter carries three: every column is read and written per
+# query, so two unused ones would cost two fifths of its fold.
 _MEAN, _VAR, _COUNT, _DMEAN, _DVAR = range(5)
 # Adaptive aux, per row: log(q / r), r, and the running mean of dmean^2 (the
 # Gauss-Newton curvature).
@@ -78,7 +79,6 @@ def _fold_kalman(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     """
     ev = view.evidence
     m, var, n = ev[..., _MEAN], ev[..., _VAR], ev[..., _COUNT]
-    dmean, dvar = ev[..., _DMEAN], ev[..., _DVAR]
     z = weight(policy.params.weighted, obs) * obs.attention
     q, r = _kalman_noise(policy, aux)
     first = n == 0
@@ -91,14 +91,15 @@ def _fold_kalman(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     # d/dtheta of the same recursion, P in units of r (where the gain depends on q / r
     # only): P / r <- gain, so its derivative is dgain; the first measurement sets
     # m = z and P = r, which do not depend on theta.
+    if not policy.params.adaptive:
+        return with_columns(view, [m_new, var_new, n + 1.0]), aux
+    dmean, dvar = ev[..., _DMEAN], ev[..., _DVAR]
     x = q / r
     dgain = jnp.where(first, 0.0, (dvar + x) * (r / spread) ** 2)
     dmean_new = (1.0 - gain) * dmean + dgain * innovation
-    new_ev = with_columns(view, [m_new, var_new, n + 1.0, dmean_new, dgain])
-    if policy.params.adaptive:
-        used = view.present & ~first  # slots that had a prediction to check
-        aux = _adapt(policy.params.beta, aux, used, innovation, dmean, r, spread)
-    return new_ev, aux
+    used = view.present & ~first  # slots that had a prediction to check
+    aux = _adapt(policy.params.beta, aux, used, innovation, dmean, r, spread)
+    return with_columns(view, [m_new, var_new, n + 1.0, dmean_new, dgain]), aux
 
 
 def _adapt(beta: float, aux: PyTree, used, innovation, dmean, r, spread) -> Float[Array, "B K 3"]:
@@ -157,5 +158,5 @@ def kalman(
     params = KalmanParams(q=q, r=r, adaptive=adaptive, beta=beta, weighted=weighted)
     return Policy(
         name="kalman", score=_score_kalman, fold=_fold_kalman, init_aux=_kalman_init_aux,
-        num_evidence=5, recent=recent, lag=lag, params=params,
+        num_evidence=5 if adaptive else 3, recent=recent, lag=lag, params=params,
     )
