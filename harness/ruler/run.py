@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -120,24 +121,21 @@ def _jobs(plan: Plan, samples: list[dict], done: dict[tuple, dict]
     """``(policy, sample, [(protocol, budget), ...], answered)`` still to answer, policy by
     policy; ``answered`` is the full cache's row of the sample under a protocol outside
     the list, when ``done`` holds one (its answer is every protocol's), else None."""
-    place = -1
-    for policy in plan.policies:
+    for place, (policy, sample) in enumerate(itertools.product(plan.policies, samples)):
+        if place % plan.shard[1] != plan.shard[0]:
+            continue
         arms = [(p, 1.0) for p in plan.protocols] if policy == "full" else [
             (p, b) for p in plan.protocols for b in plan.budgets]
-        for sample in samples:
-            place += 1
-            if place % plan.shard[1] != plan.shard[0]:
-                continue
-            base = {"model": plan.model, "policy": policy, "evict_every": plan.evict_every,
-                    **{k: sample[k] for k in ("task", "length", "index", "seed")},
-                    **({"estimator": _estimator(plan).name} if "learned" in policy else {})}
-            todo = [(p, b) for p, b in arms if row_key({**base, "protocol": p, "budget": b}) not in done]
-            if todo:
-                answered = None
-                if policy == "full":
-                    keys = (row_key({**base, "protocol": p, "budget": 1.0}) for p in PROTOCOLS)
-                    answered = next((done[k] for k in keys if k in done), None)
-                yield policy, sample, todo, answered
+        base = {"model": plan.model, "policy": policy, "evict_every": plan.evict_every,
+                **{k: sample[k] for k in ("task", "length", "index", "seed")},
+                **({"estimator": _estimator(plan).name} if "learned" in policy else {})}
+        todo = [(p, b) for p, b in arms if row_key({**base, "protocol": p, "budget": b}) not in done]
+        if todo:
+            answered = None
+            if policy == "full":
+                keys = (row_key({**base, "protocol": p, "budget": 1.0}) for p in PROTOCOLS)
+                answered = next((done[k] for k in keys if k in done), None)
+            yield policy, sample, todo, answered
 
 
 def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
