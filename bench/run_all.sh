@@ -31,5 +31,7 @@ $python -m bench.prefill_memory
 $python -m bench.prefill_chunk --rounds 3
 $python -m bench.pyref --cores 1
 $python -m bench.step_trace --cores 1
+# What a fold of several evidence columns pays for their layout (the Kalman filter's).
+$python -m bench.evidence_layout --cores 1 --rounds 21
 $python -m bench.kernel --sizes 256,4096,65536 --rows 8,64 --rounds 3
 $python -m bench.report

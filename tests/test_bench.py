@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import flsmem
-from bench import (adaptive_weights, common, compile_time, kernel, learned_flops, overhead, prefill_chunk, profile,
-                   pyref, report, ruler_depth, ruler_surprise, step_trace)
+from bench import (adaptive_weights, common, compile_time, evidence_layout, kernel, learned_flops, overhead,
+                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -170,6 +170,35 @@ def test_step_trace_of_a_serving_loop_counts_each_loops_operations(capsys):
     plain, flsmem = (int(line.split()[1]) for line in lines[1:3])
     assert lines[1].startswith("plain") and lines[2].startswith("flsmem") and flsmem > plain > 0
     assert len(lines) == 7 and all(float(line.split()[0]) >= 0 for line in lines[4:])
+
+
+def test_each_evidence_layout_folds_as_the_kalman_policy_does():
+    """The three layouts give the library's Kalman fold: new (mean, variance, count) on
+    present slots, the old evidence on the others."""
+    rng = np.random.default_rng(0)
+    present = jnp.asarray(rng.random((1, 2, 16)) < 0.5)
+    z = jnp.asarray(rng.random((1, 2, 16)), jnp.float32)
+    filled = jnp.asarray(np.stack([rng.random((1, 2, 16)), rng.random((1, 2, 16)), rng.integers(0, 3, (1, 2, 16))]),
+                         jnp.float32)
+    policy = policies.kalman(q=0.1, r=0.5)
+    got = {layout: fold(evidence_layout.starting_evidence(layout, filled), z)
+           for layout, (fold, _) in evidence_layout.folds(policy, present).items()}
+    library = np.moveaxis(np.asarray(got[evidence_layout.LAYOUTS[0]]), -1, 0)
+    np.testing.assert_allclose(np.moveaxis(np.asarray(got[evidence_layout.LAYOUTS[1]]), 2, 0), library, rtol=1e-6)
+    np.testing.assert_allclose(np.stack(got[evidence_layout.LAYOUTS[2]]), library, rtol=1e-6)
+    m, var, n = np.asarray(filled)
+    gain = np.where(n == 0, 1.0, (var + 0.1) / (var + 0.1 + 0.5))
+    expected = np.stack([m + gain * (np.asarray(z) - m), np.where(n == 0, 0.5, (1 - gain) * (var + 0.1)), n + 1])
+    np.testing.assert_allclose(library, np.where(np.asarray(present), expected, np.asarray(filled)), rtol=1e-6)
+
+
+def test_evidence_layout_writes_its_table_and_the_report_shows_it(results, capsys):
+    evidence_layout.main(["--n", "32", "--rows", "2", "--steps", "2", "--rounds", "1"])
+    record = json.loads((results / "evidence-layout.json").read_text())
+    assert list(record["ratios"]) == list(evidence_layout.LAYOUTS)
+    assert record["ratios"][evidence_layout.LAYOUTS[0]]["median"] == 1.0
+    assert "one array per column" in capsys.readouterr().out
+    assert "## Evidence of several columns: its layout" in report.build()
 
 
 def test_a_prefill_chunk_is_the_plain_forward_of_its_tokens():

@@ -1,0 +1,144 @@
+"""What the evidence's layout costs a fold of several columns: the fixed Kalman filter's
+fold as the library runs it (``[B, K, S, E]``), against the same arithmetic on the
+columns laid out ``[B, K, E, S]`` and on one ``[B, K, S]`` array per column.
+
+Each variant runs a jitted loop of queries over its evidence (donated, so XLA may update
+it in place), with each query's score read back as the decode step reads it. It prints
+the time per query of each variant against the library's, over interleaved rounds, and
+the arrays that XLA copies in each compiled loop (scalars left out): a fold whose every output column reads
+the other columns of the same slot cannot overwrite its input when the columns share
+one array, so XLA writes the new evidence elsewhere and copies it back into the loop's
+carry; with one array per column each output reads only its own index of each input.
+The three variants give the same numbers (checked before timing).
+
+    python -m bench.evidence_layout --cores 1
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import common
+from flsmem import policies as P
+from flsmem.harness.arguments import make_parser
+from flsmem.policies.base import Observation, SlotView
+
+LAYOUTS = ("library [B, K, S, E]", "[B, K, E, S]", "one array per column")
+
+
+def kalman_columns(policy, m, var, n, z):
+    """The fixed filter's update of (mean, variance, count) by the measurement ``z``,
+    the arithmetic of ``flsmem.policies.kalman``."""
+    q, r = policy.params.q, policy.params.r
+    first = n == 0
+    var_pred = var + q
+    gain = jnp.where(first, 1.0, var_pred / (var_pred + r))
+    return m + gain * (z - m), jnp.where(first, r, (1.0 - gain) * var_pred), n + 1.0
+
+
+def folds(policy, present):
+    """Per layout: ``(fold(evidence, z) -> evidence, score(evidence) -> [B, K, S])``."""
+    zeros = jnp.zeros(present.shape, jnp.int32)
+
+    def library(evidence, z):
+        view = SlotView(evidence, zeros, zeros, zeros, present, zeros[:, 0, 0])
+        return policy.fold(policy, view, Observation(z, jnp.ones(z.shape[:1]), None), None)[0]
+
+    def columns_second(evidence, z):
+        new = jnp.stack(kalman_columns(policy, *(evidence[:, :, k] for k in range(3)), z), axis=2)
+        return jnp.where(present[:, :, None], new, evidence)
+
+    def separate(evidence, z):
+        new = kalman_columns(policy, *evidence, z)
+        return tuple(jnp.where(present, a, b) for a, b in zip(new, evidence))
+
+    return {
+        LAYOUTS[0]: (library, lambda e: e[..., 0]),
+        LAYOUTS[1]: (columns_second, lambda e: e[:, :, 0]),
+        LAYOUTS[2]: (separate, lambda e: e[0]),
+    }
+
+
+def loop_of(fold, score, steps: int):
+    """A jitted loop of ``steps`` queries, donating its evidence."""
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def loop(evidence, z):
+        def query(evidence, t):
+            evidence = fold(evidence, z * (1.0 + t.astype(jnp.float32)))
+            return evidence, jnp.sum(score(evidence))
+
+        return jax.lax.scan(query, evidence, jnp.arange(steps))
+
+    return loop
+
+
+def starting_evidence(layout: str, filled: jax.Array):
+    """The same evidence in each layout: (mean, variance, count) from ``filled [3, B, K, S]``."""
+    if layout == LAYOUTS[0]:
+        return jnp.moveaxis(filled, 0, -1)
+    if layout == LAYOUTS[1]:
+        return jnp.moveaxis(filled, 0, 2)
+    return tuple(filled)
+
+
+def copies(loop, *args) -> list[str]:
+    """The shapes of the arrays that the compiled loop copies (scalars left out)."""
+    text = loop.lower(*args).compile().as_text()
+    return [shape for shape in re.findall(r"= (\w+\[[\d,]+\])\{[\d,]*\} copy\(", text)]
+
+
+def main(argv=None):
+    parser = make_parser("python -m bench.evidence_layout", __doc__)
+    parser.add_argument("--n", type=int, default=4096, help="slots per row")
+    parser.add_argument("--rows", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=32, help="queries per timed call")
+    parser.add_argument("--rounds", type=int, default=9)
+    common.add_timing_options(parser)
+    args = parser.parse_args(argv)
+    if min(args.n, args.rows, args.steps, args.rounds) < 1:
+        parser.error("--n, --rows, --steps and --rounds must be >= 1")
+    common.set_timing(args)
+    policy = P.kalman()
+    rng = np.random.default_rng(0)
+    shape = (1, args.rows, args.n)
+    present = jnp.asarray(rng.random(shape) < 0.99)
+    z = jnp.asarray(rng.random(shape), jnp.float32)
+    filled = jnp.asarray(np.stack([rng.random(shape), rng.random(shape), rng.integers(0, 3, shape)]), jnp.float32)
+
+    loops, results, counts = {}, {}, {}
+    for layout, (fold, score) in folds(policy, present).items():
+        loop = loop_of(fold, score, args.steps)
+        counts[layout] = copies(loop, starting_evidence(layout, filled), z)
+        results[layout] = np.asarray(loop(starting_evidence(layout, filled), z)[1])
+        loops[layout] = loop
+    for layout in LAYOUTS[1:]:
+        np.testing.assert_allclose(results[layout], results[LAYOUTS[0]], rtol=1e-6)
+
+    def call(layout):
+        """(prepare, run): a fresh copy of the evidence each call, since the loop donates it."""
+        return (lambda: (starting_evidence(layout, filled), z)), loops[layout]
+
+    times = common.interleaved({layout: call(layout) for layout in LAYOUTS}, args.rounds)
+    ratio = common.ratios(times, LAYOUTS[0])
+    print(f"The fixed Kalman filter's fold, N={args.n} rows={args.rows}, {args.steps} queries a call, "
+          f"{args.rounds} rounds")
+    print("| evidence layout | time per query (us, median) | against the library's (median, range) | arrays copied |")
+    print("|---|---|---|---|")
+    for layout in LAYOUTS:
+        us = 1e6 * float(np.median(times[layout])) / args.steps
+        r = ratio[layout]
+        copied = ", ".join(counts[layout]) or "none"
+        print(f"| {layout} | {us:.0f} | x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f}) | {copied} |")
+    common.save("evidence-layout", {"n": args.n, "rows": args.rows, "steps": args.steps, "rounds": args.rounds,
+                                    "seconds": times, "ratios": ratio, "copies": counts})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
