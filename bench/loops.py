@@ -115,13 +115,14 @@ def steady_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int,
     position = jnp.broadcast_to(jnp.where(slot < n, filled - n + slot, -1), rows).astype(jnp.int32)
     k_key, e_key = jax.random.split(key)
     k, v = random_kv(k_key, rows + (cfg.head_dim,))
-    evidence = jax.random.uniform(e_key, memories.evidence.shape, jnp.float32)
+    e_keys = jax.random.split(e_key, len(memories.evidence))
+    evidence = tuple(jax.random.uniform(e, array.shape, jnp.float32) for e, array in zip(e_keys, memories.evidence))
     return Memories(evictable=memories.replace(
         payload={"k": k, "v": v},
         position=position,
         valid=valid,
         birth=jnp.maximum(position, 0),  # one item per step from step 0: birth == position
-        evidence=jnp.where(valid[..., None], evidence, 0.0),
+        evidence=tuple(jnp.where(valid.reshape(rows + (1,) * (e.ndim - 4)), e, 0.0) for e in evidence),
         step=jnp.full((depth, batch), filled, jnp.int32),
     ))
 

@@ -333,13 +333,13 @@ def learned_flops_section(record) -> list[str]:
 
 
 def evidence_layout_section(record) -> list[str]:
+    base = next(iter(record["ratios"]))
     lines = ["## Evidence of several columns: its layout", "",
              f"The fixed Kalman filter's fold (three columns) over {record['rows']} rows of {record['n']:,} slots, "
-             f"a jitted loop of {record['steps']} queries donating its evidence, in the library's layout and in two "
-             "others, the same numbers in each (see `bench/evidence_layout.py`): time per query against the "
-             f"library's in the same round ({record['rounds']} rounds, median and range), and the arrays XLA "
-             "copies in each compiled loop.", "",
-             "| evidence layout | time / library's | arrays copied |", "|---|---|---|"]
+             f"a jitted loop of {record['steps']} queries donating its evidence, in three layouts, the same numbers "
+             "in each (see `bench/evidence_layout.py`): time per query against the first layout's in the same "
+             f"round ({record['rounds']} rounds, median and range), and the arrays XLA copies in each compiled loop.",
+             "", f"| evidence layout | time / {base}'s | arrays copied |", "|---|---|---|"]
     for layout, ratio in record["ratios"].items():
         copied = ", ".join(f"`{shape}`" for shape in record["copies"][layout]) or "none"
         lines.append(f"| {layout} | x{ratio['median']:.2f} (x{ratio['low']:.2f} .. x{ratio['high']:.2f}) | {copied} |")

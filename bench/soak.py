@@ -97,7 +97,9 @@ def check(state, steps_run: int) -> list[str]:
             recent = np.arange(steps_run - window, steps_run)
             expect(np.isin(recent, positions), f"row ({i}, {j}) lost an item of its protected window")
     expect(~s.valid | np.isfinite(s.score), "a score is NaN or Inf")
-    expect(~s.valid[..., None] | np.isfinite(s.evidence), "evidence is NaN or Inf")
+    for array in s.evidence:
+        finite = np.isfinite(array).reshape(array.shape[:3] + (-1,)).all(axis=-1)
+        expect(~s.valid | finite, "evidence is NaN or Inf")
     for leaf in jax.tree.leaves((s.payload, s.aux)):
         if np.issubdtype(np.asarray(leaf).dtype, np.floating):
             expect(np.isfinite(leaf), "the payload or the policy's state has NaN or Inf")

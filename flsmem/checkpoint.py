@@ -57,7 +57,9 @@ PARTIAL = ".partial-"
 # With a manifest, the tree and the manifest are two items of one orbax checkpoint.
 _ARRAYS, _MANIFEST = "arrays", "manifest"
 
-FORMAT = "flsmem.memory_state/1"
+# The layout of the saved state: 2 holds the evidence as a tuple of arrays (1 held it
+# as one [B, K, S, E] array, which this version cannot read).
+FORMAT = "flsmem.memory_state/2"
 _MEMORY = "memory checkpoint"
 # Fields of the config that change what a memory computes; the top-k implementation
 # does not (every implementation keeps the same items), so a memory saved on one

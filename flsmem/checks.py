@@ -124,8 +124,9 @@ def state_checks(state: MemoryState, *, after_update: bool = False) -> None:
                 "a slot's birth lies outside [0, step + max_chunk)")
     _check_rows(state.step >= 0, "step is negative")
     _check_rows(_rows(~present | jnp.isfinite(state.score)), "a present slot's score is NaN or Inf")
-    _check_rows(_rows(~state.valid[..., None] | jnp.isfinite(state.evidence)),
-                "a held slot's evidence is NaN or Inf")
+    for array in state.evidence:
+        finite = jnp.all(jnp.isfinite(array), axis=tuple(range(3, array.ndim)))
+        _check_rows(_rows(~state.valid | finite), "a held slot's evidence is NaN or Inf")
     for field in dataclasses.fields(state.stats):
         _check_rows(_rows(getattr(state.stats, field.name) >= 0), f"stats.{field.name} is negative")
     if after_update and config.policy.evicts:

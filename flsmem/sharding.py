@@ -63,7 +63,8 @@ def partition_specs(state: MemoryState, batch_axis: str | None = "batch", head_a
     batch = PartitionSpec(batch_axis)
     return state.replace(
         payload=jax.tree.map(lambda _: rows, state.payload),
-        position=rows, valid=rows, birth=rows, evidence=rows, score=rows,
+        position=rows, valid=rows, birth=rows, score=rows,
+        evidence=tuple(rows for _ in state.evidence),
         step=batch,
         aux=aux_axes(state, batch_axis, head_axis),
         stats=state.stats.replace(**{

@@ -70,7 +70,8 @@ class MemoryState:
       position: ``[B, K, S]`` int32, absolute position of the item; -1 when free.
       valid: ``[B, K, S]`` bool, the slot is occupied.
       birth: ``[B, K, S]`` int32, step (query index) at which the item arrived.
-      evidence: ``[B, K, S, E]`` float32, the policy's per-slot statistics.
+      evidence: tuple of float32 arrays ``[B, K, S, ...]``, the policy's per-slot
+        statistics, shaped by its ``evidence_shapes``.
       score: ``[B, K, S]`` float32, committed score used by ``evict``.
       step: ``[B]`` int32, queries observed so far (an array, so nothing retraces).
       aux: the policy's own state (a pytree: per-row ``[B, K, ...]`` arrays, or the
@@ -83,7 +84,7 @@ class MemoryState:
     position: Int[Array, "B K S"]
     valid: Bool[Array, "B K S"]
     birth: Int[Array, "B K S"]
-    evidence: Float[Array, "B K S E"]
+    evidence: tuple[Float[Array, "B K S ..."], ...]
     score: Float[Array, "B K S"]
     step: Int[Array, "B"]
     aux: PyTree
@@ -156,7 +157,7 @@ def init(
         position=jnp.full(rows, -1, jnp.int32),
         valid=jnp.zeros(rows, jnp.bool_),
         birth=jnp.zeros(rows, jnp.int32),
-        evidence=jnp.zeros(rows + (policy.num_evidence,), jnp.float32),
+        evidence=tuple(jnp.zeros(rows + shape, jnp.float32) for shape in policy.evidence_shapes),
         score=jnp.zeros(rows, jnp.float32),
         step=jnp.zeros((batch,), jnp.int32),
         aux=aux,
@@ -181,12 +182,18 @@ def check_state(state) -> None:
     if rows[2] != capacity:
         validate.fail(f"state has {rows[2]} slots per row but its config's capacity is {capacity} "
               "(budget + evict_every + max_chunk - 1); build the state with flsmem.init(config, ...)")
-    num_evidence = state.config.policy.num_evidence
+    shapes = state.config.policy.evidence_shapes
+    if not (isinstance(state.evidence, tuple) and len(state.evidence) == len(shapes)):
+        evidence = state.evidence
+        got = f"a tuple of {len(evidence)}" if isinstance(evidence, tuple) else type(evidence).__name__
+        validate.fail(f"state.evidence must be a tuple of {len(shapes)} arrays (the policy's evidence_shapes), "
+                      f"got {got}")
     fields = (
         ("position", state.position, rows, jnp.int32),
         ("birth", state.birth, rows, jnp.int32),
         ("score", state.score, rows, jnp.float32),
-        ("evidence", state.evidence, rows + (num_evidence,), jnp.float32),
+        *((f"evidence[{i}]", array, rows + shape, jnp.float32)
+          for i, (array, shape) in enumerate(zip(state.evidence, shapes))),
         ("step", state.step, rows[:1], jnp.int32),
     )
     for name, value, shape, dtype in fields:

@@ -120,7 +120,7 @@ def _write_slots(state, payload, position, mask):
     policy = state.config.policy
     per_head = lambda x: jnp.broadcast_to(x[:, None, :], (b, k, q))  # noqa: E731
     if policy.init_evidence is None:
-        new_evidence = jnp.zeros((b, k, q, policy.num_evidence), jnp.float32)
+        new_evidence = tuple(jnp.zeros((b, k, q) + shape, jnp.float32) for shape in policy.evidence_shapes)
     else:
         new_evidence = policy.init_evidence(policy, payload, per_head(position), per_head(birth))
     stats = state.stats.replace(
@@ -130,7 +130,7 @@ def _write_slots(state, payload, position, mask):
         position=put(state.position, per_head(position)),
         valid=put(state.valid, jnp.ones((b, k, q), jnp.bool_)),
         birth=put(state.birth, per_head(birth)),
-        evidence=put(state.evidence, new_evidence),
+        evidence=tuple(map(put, state.evidence, new_evidence)),
         score=put(state.score, jnp.zeros((b, k, q), jnp.float32)),
         stats=stats,
     )

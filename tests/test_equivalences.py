@@ -58,7 +58,7 @@ def test_ema_decay_one_accumulates_and_decay_zero_measures():
 
 def _running_mean(policy, view, aux):
     """A policy written in one function: mean attention per query seen."""
-    return view.evidence[..., 0] / jnp.maximum(view.age, 1).astype(jnp.float32)
+    return view.evidence[0] / jnp.maximum(view.age, 1).astype(jnp.float32)
 
 
 def test_kalman_without_process_noise_ranks_as_the_running_mean():

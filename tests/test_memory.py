@@ -86,8 +86,8 @@ def test_nonfinite_inputs_are_no_evidence_and_counted():
     assert state.stats.nonfinite_inputs.tolist() == [1, 1]
     assert bool(jnp.all(jnp.isfinite(state.score)))
     # Row 0: NaN attention counts as 0; row 1: infinite correctness weighs 0.
-    assert float(state.evidence[0, 0, 0, 0]) == 0.0
-    assert float(state.evidence[1, 0, 0, 0]) == 0.0
+    assert float(state.evidence[0][0, 0, 0]) == 0.0
+    assert float(state.evidence[0][1, 0, 0]) == 0.0
 
 
 def test_nonfinite_entries_of_free_slots_are_neither_inputs_nor_fallbacks():
@@ -99,10 +99,10 @@ def test_nonfinite_entries_of_free_slots_are_neither_inputs_nor_fallbacks():
     attention = jnp.zeros((2, 2, state.slots)).at[0, 0, 1].set(jnp.nan).at[1, 1, 1].set(jnp.inf)
     state = flsmem.update(state, attention.at[1, 0, 0].set(jnp.nan))
     assert state.stats.nonfinite_inputs.tolist() == [0, 1]
-    assert float(state.evidence[0, 0, 1, 0]) == 0.0
-    stale = state.replace(evidence=state.evidence.at[:, :, 1].set(jnp.nan))
+    assert float(state.evidence[0][0, 0, 1]) == 0.0
+    stale = state.replace(evidence=(state.evidence[0].at[:, :, 1].set(jnp.nan),))
     assert flsmem.smooth(stale).stats.fallbacks.tolist() == state.stats.fallbacks.tolist()
-    broken = stale.replace(evidence=stale.evidence.at[0, 1, 0].set(jnp.inf))
+    broken = stale.replace(evidence=(stale.evidence[0].at[0, 1, 0].set(jnp.inf),))
     smoothed = flsmem.smooth(broken)
     assert (smoothed.stats.fallbacks - state.stats.fallbacks).tolist() == [1, 0]
     assert float(smoothed.score[0, 1, 0]) < -1e29 and bool(jnp.all(jnp.isfinite(smoothed.score)))

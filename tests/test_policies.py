@@ -14,6 +14,7 @@ import flsmem
 from flsmem import policies as P
 from flsmem import testing
 from flsmem.oracle_future import discounted_future
+from flsmem.policies.base import with_columns
 
 # One compile per config instead of op-by-op dispatch.
 write = jax.jit(flsmem.write)
@@ -318,7 +319,31 @@ def test_registry_holds_the_public_policies():
     assert tuple(P.REGISTRY) == NAMES + ("expected_attention",)
     with pytest.raises(ValueError, match="policy 'expected_attention' needs the keyword 'head_dim'"):
         P.make("expected_attention")
-    assert P.make("expected_attention", head_dim=8).num_evidence == 9
+    assert P.make("expected_attention", head_dim=8).evidence_shapes == ((), (8,))
+
+
+def _fold_count_and_last_two(policy, view, obs, aux):
+    count, last = view.evidence
+    return with_columns(view, [count + 1.0, jnp.stack([last[..., 1], obs.attention], axis=-1)]), aux
+
+
+def test_a_policy_keeps_evidence_arrays_of_the_shapes_it_declares():
+    """A policy of two evidence arrays, a count [B, K, S] and the last two attentions
+    [B, K, S, 2]: each slot's arrays follow its own queries, a free slot's stay 0."""
+    policy = P.Policy(name="last_two", score=lambda policy, view, aux: jnp.sum(view.evidence[1], axis=-1),
+                      fold=_fold_count_and_last_two, evidence_shapes=((), (2,)))
+    state = testing.tiny_memory(testing.tiny_config(policy, budget=4), batch=1, kv_heads=1)
+    assert [e.shape for e in state.evidence] == [(1, 1, state.slots), (1, 1, state.slots, 2)]
+    kv = {"k": jnp.ones((1, 1, testing.HEAD_DIM)), "v": jnp.ones((1, 1, testing.HEAD_DIM))}
+    for t, a in enumerate([0.5, 0.25, 0.125]):
+        state = flsmem.write(state, kv, jnp.array([t]))
+        state = flsmem.observe(state, jnp.zeros((1, 1, state.slots)).at[0, 0, 0].set(a))
+    count, last = (np.asarray(e[0, 0]) for e in state.evidence)
+    assert count[:3].tolist() == [3.0, 2.0, 1.0] and count[3:].tolist() == [0.0] * (state.slots - 3)
+    assert last[0].tolist() == [0.25, 0.125] and last[1].tolist() == [0.0, 0.0] and not last[3:].any()
+    for bad in [(), 2, ((0,),), ((2.0,),)]:
+        with pytest.raises(ValueError, match="evidence_shapes must be a non-empty tuple of tuples of ints >= 1"):
+            policy.replace(evidence_shapes=bad)
 
 
 def test_make_passes_keywords_to_the_factory():

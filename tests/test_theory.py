@@ -68,7 +68,7 @@ def test_gain_matches_the_kalman_policys_own_variance():
         state = flsmem.init(config, 1, 1, {"v": ()})
         state = flsmem.write(state, {"v": jnp.zeros((1, 1))}, jnp.array([0]))
         state = jax.jit(flsmem.observe)(state, jnp.full((1, 1, 300, state.slots), 0.5))
-        pred = state.evidence[0, 0, 0, 1] + q
+        pred = state.evidence[1][0, 0, 0] + q
         assert float(pred / (pred + r)) == pytest.approx(float(theory.steady_state_gain(q / r)), rel=1e-4)
 
 

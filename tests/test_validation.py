@@ -44,7 +44,9 @@ def test_config_takes_numpy_ints_as_ints_and_rejects_other_types():
         (lambda s: s.replace(position=s.position.astype(jnp.float32)), r"state.position must be int32\[2, 2, 9\]"),
         (lambda s: s.replace(birth=s.birth[:, :1]), "state.birth"),
         (lambda s: s.replace(score=s.score.astype(jnp.bfloat16)), "state.score must be float32"),
-        (lambda s: s.replace(evidence=jnp.zeros(s.valid.shape + (3,))), r"state.evidence must be float32\[2, 2, 9, 1\]"),
+        (lambda s: s.replace(evidence=(jnp.zeros(s.valid.shape + (3,)),)),
+         r"state.evidence\[0\] must be float32\[2, 2, 9\]"),
+        (lambda s: s.replace(evidence=s.evidence[0]), r"state.evidence must be a tuple of 1 arrays"),
         (lambda s: s.replace(step=jnp.zeros((3,), jnp.int32)), "state.step"),
         (lambda s: s.replace(stats=s.stats.replace(evictions=jnp.zeros((1,), jnp.int32))), r"state.stats.evictions"),
         (lambda s: s.replace(stats=s.stats.replace(evicted_score=jnp.zeros((2,)))),
@@ -167,7 +169,7 @@ def test_state_checks_catch_a_corrupted_state():
     broken = {
         "position and valid flag disagree": state.replace(position=state.position.at[0, 0, 0].set(-1)),
         "score is NaN": state.replace(score=state.score.at[1, 0, 0].set(jnp.nan)),
-        "evidence is NaN": state.replace(evidence=state.evidence.at[0, 1, 0, 0].set(jnp.inf)),
+        "evidence is NaN": state.replace(evidence=(state.evidence[0].at[0, 1, 0].set(jnp.inf),)),
         "stats.evictions is negative": state.replace(stats=state.stats.replace(
             evictions=jnp.array([0, -1], jnp.int32))),
     }

@@ -24,7 +24,7 @@ Features (each chosen because one baseline or the oracle's behaviour depends on 
   prediction is right than when it is wrong (a retrieval head reads far items in order
   to predict; a diffuse one spreads over them whatever it predicts).
 
-The evidence columns are private to this module; the learner reads them through
+The evidence arrays are private to this module; the learner reads them through
 :func:`features`, :func:`init_evidence`, :func:`fold_evidence` and :func:`score_rmm`.
 """
 
@@ -39,7 +39,7 @@ from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["FEATURES", "features"]
 
-# Evidence columns.
+# Evidence arrays, one number per slot each.
 (_H2O, _RMM, _SUM, _UTILITY, _LAST, _MAX, _RECENT, _PRODUCER, _KEY_NORM, _VALUE_NORM,
  _FAR_ATTENTION, _FAR_UTILITY) = range(12)
 NUM_EVIDENCE = 12
@@ -76,7 +76,7 @@ FEATURES = (
 )
 
 
-def features(evidence: Float[Array, "B K S E"], age, step, position, head: dict) -> Float[Array, "B K S F"]:
+def features(evidence: tuple[Float[Array, "B K S"], ...], age, step, position, head: dict) -> Float[Array, "B K S F"]:
     """The :data:`FEATURES` of every slot from its evidence, ``age [B, K, S]``, the
     row's ``step [B]`` (queries so far), the items' ``position [B, K, S]`` and what each
     head has read so far (``head``: the ``head_*`` entries of the policy state)."""
@@ -104,23 +104,23 @@ def features(evidence: Float[Array, "B K S E"], age, step, position, head: dict)
     e = evidence
     columns = [
         # The baselines' own scores; attention sums span decades, hence the log.
-        jnp.log(1e-3 + jnp.maximum(e[..., _H2O], 0.0)),
-        jnp.log(1e-3 + jnp.maximum(e[..., _RMM], 0.0)),
-        log(e[..., _SUM]),
-        log(e[..., _UTILITY]),
-        log(e[..., _SUM] / a),
-        log(e[..., _UTILITY] / a),
-        log(e[..., _LAST]),
-        log(e[..., _MAX]),
-        log(e[..., _RECENT]),
-        e[..., _PRODUCER],
+        jnp.log(1e-3 + jnp.maximum(e[_H2O], 0.0)),
+        jnp.log(1e-3 + jnp.maximum(e[_RMM], 0.0)),
+        log(e[_SUM]),
+        log(e[_UTILITY]),
+        log(e[_SUM] / a),
+        log(e[_UTILITY] / a),
+        log(e[_LAST]),
+        log(e[_MAX]),
+        log(e[_RECENT]),
+        e[_PRODUCER],
         jnp.log(a),
         jnp.minimum(a / steps, 1.0),
-        log(e[..., _KEY_NORM]),
-        log(e[..., _VALUE_NORM]),
+        log(e[_KEY_NORM]),
+        log(e[_VALUE_NORM]),
         log(position.astype(jnp.float32)),
-        jnp.log(1e-3 + jnp.maximum(e[..., _FAR_ATTENTION], 0.0)),
-        log(e[..., _FAR_UTILITY]),
+        jnp.log(1e-3 + jnp.maximum(e[_FAR_ATTENTION], 0.0)),
+        log(e[_FAR_UTILITY]),
         *head_columns,
     ]
     # Stacked on a leading axis and moved last: a stack on the last axis of arrays this
@@ -128,7 +128,7 @@ def features(evidence: Float[Array, "B K S E"], age, step, position, head: dict)
     return jnp.moveaxis(jnp.stack(columns, axis=0), 0, -1)
 
 
-def init_evidence(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Array:
+def init_evidence(policy: Policy, payload: PyTree, position: Array, birth: Array) -> tuple[Array, ...]:
     """Key and value norms of the new items (payload ``{"k", "v"}``; another payload
     gives the norm of its first leaf as the key norm and no value norm)."""
     leaves = payload if isinstance(payload, dict) and "k" in payload else {"k": jax.tree.leaves(payload)[0]}
@@ -141,7 +141,7 @@ def init_evidence(policy: Policy, payload: PyTree, position: Array, birth: Array
     columns = [zeros] * NUM_EVIDENCE
     columns[_KEY_NORM] = norm(leaves["k"])
     columns[_VALUE_NORM] = norm(leaves["v"]) if "v" in leaves else zeros
-    return jnp.stack(columns, axis=-1)
+    return tuple(columns)
 
 
 def fold_evidence(view: SlotView, obs: Observation, aux: PyTree):
@@ -158,19 +158,19 @@ def fold_evidence(view: SlotView, obs: Observation, aux: PyTree):
     arriving = view.age == 1
     far = view.age > _FAR_AGE
     columns = [
-        e[..., _H2O] + obs.attention,
-        e[..., _RMM] + w * obs.attention,
-        e[..., _SUM] + z,
-        e[..., _UTILITY] + w * z,
+        e[_H2O] + obs.attention,
+        e[_RMM] + w * obs.attention,
+        e[_SUM] + z,
+        e[_UTILITY] + w * z,
         z,
-        jnp.maximum(e[..., _MAX], z),
-        _RECENT_DECAY * e[..., _RECENT] + z,
+        jnp.maximum(e[_MAX], z),
+        _RECENT_DECAY * e[_RECENT] + z,
         # The item arriving now is the token the previous query predicted.
-        jnp.where(arriving, aux["last_weight"][:, None, None], e[..., _PRODUCER]),
-        e[..., _KEY_NORM],
-        e[..., _VALUE_NORM],
-        e[..., _FAR_ATTENTION] + jnp.where(far, obs.attention, 0.0),
-        e[..., _FAR_UTILITY] + jnp.where(far, w * z, 0.0),
+        jnp.where(arriving, aux["last_weight"][:, None, None], e[_PRODUCER]),
+        e[_KEY_NORM],
+        e[_VALUE_NORM],
+        e[_FAR_ATTENTION] + jnp.where(far, obs.attention, 0.0),
+        e[_FAR_UTILITY] + jnp.where(far, w * z, 0.0),
     ]
     evidence = with_columns(view, columns)
     # The head's far attention mass [B, K], summed in fixed point: an integer sum is exact
@@ -187,5 +187,5 @@ def fold_evidence(view: SlotView, obs: Observation, aux: PyTree):
 
 def score_rmm(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     """The RMM score (correctness-weighted attention summed over the slot's life), one of
-    the evidence columns: the learned policy's fallback."""
-    return view.evidence[..., _RMM]
+    the evidence arrays: the learned policy's fallback."""
+    return view.evidence[_RMM]

@@ -87,7 +87,7 @@ def _stored(policy, snapshots: dict) -> dict:
     return {name: x[:, 0] for name, x in snapshots.items()}
 
 
-def gather(policy: Policy, view: SlotView, evidence: Float[Array, "B K S E"], shown: Float[Array, "B K S"],
+def gather(policy: Policy, view: SlotView, evidence: tuple[Float[Array, "B K S"], ...], shown: Float[Array, "B K S"],
            aux: PyTree) -> PyTree:
     """Every snapshot in flight gathers the utility each slot showed this query
     (``shown``): its label to be. At a row's snapshot step, the snapshot due is

@@ -206,7 +206,7 @@ def learned(
                            snapshots=snapshots, label=label, loss=loss, prior=prior, hidden=hidden, seed=seed)
     return Policy(
         name="learned", score=_score, fold=_fold, init_evidence=init_evidence, init_aux=_init_aux,
-        fallback_score=score_rmm, monitor=_monitor, num_evidence=NUM_EVIDENCE,
+        fallback_score=score_rmm, monitor=_monitor, evidence_shapes=((),) * NUM_EVIDENCE,
         # The network costs more per slot than the fold: score only when evicting.
         score_when_due=True, sinks=sinks, recent=recent, lag=lag, params=params,
     )
@@ -232,7 +232,8 @@ def guided(learner: Policy, behaviour: Policy) -> Policy:
     return Policy(
         name=f"{learner.name}@{behaviour.name}", score=_guided_score, fold=_guided_fold,
         init_evidence=_guided_init_evidence, init_aux=_guided_init_aux, monitor=_guided_monitor,
-        num_evidence=learner.num_evidence + behaviour.num_evidence, normalise_by_age=behaviour.normalise_by_age,
+        evidence_shapes=learner.evidence_shapes + behaviour.evidence_shapes,
+        normalise_by_age=behaviour.normalise_by_age,
         needs_future=behaviour.needs_future, sinks=learner.sinks, recent=learner.recent, lag=learner.lag,
         # The learner's features are of the attention reduced as it was trained on.
         head_reduction=learner.head_reduction, params=params,
@@ -243,7 +244,7 @@ def guided(learner: Policy, behaviour: Policy) -> Policy:
 # equal policies (one compile), each part handing its own evidence to its own policy.
 def _guided_views(policy, view):
     width = policy.params.learner.num_evidence
-    return view._replace(evidence=view.evidence[..., :width]), view._replace(evidence=view.evidence[..., width:])
+    return view._replace(evidence=view.evidence[:width]), view._replace(evidence=view.evidence[width:])
 
 
 def _guided_score(policy, view, aux):
@@ -257,15 +258,15 @@ def _guided_fold(policy, view, obs, aux):
     evidence, aux = learner.fold(learner, mine, obs, aux)
     if behaviour.fold is not None:
         theirs = theirs._replace(evidence=behaviour.fold(behaviour, theirs, obs, None)[0])
-    return jnp.concatenate([evidence, theirs.evidence], axis=-1), aux
+    return evidence + theirs.evidence, aux
 
 
 def _guided_init_evidence(policy, payload, position, birth):
     learner, behaviour = policy.params.learner, policy.params.behaviour
     mine = learner.init_evidence(learner, payload, position, birth)
-    theirs = (jnp.zeros(position.shape + (behaviour.num_evidence,), jnp.float32) if behaviour.init_evidence is None
-              else behaviour.init_evidence(behaviour, payload, position, birth))
-    return jnp.concatenate([mine, theirs], axis=-1)
+    theirs = (tuple(jnp.zeros(position.shape + shape, jnp.float32) for shape in behaviour.evidence_shapes)
+              if behaviour.init_evidence is None else behaviour.init_evidence(behaviour, payload, position, birth))
+    return tuple(mine) + tuple(theirs)
 
 
 def _guided_init_aux(policy, batch, kv_heads, slots):

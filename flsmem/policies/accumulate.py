@@ -86,20 +86,15 @@ class UseRecencyParams(Params):
 
 
 def _fold_decayed_sum(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
-    """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0).
-
-    Computed on the evidence as it is laid out, ``[B, K, S, 1]``: read through a slice,
-    the evidence is not updated in place by XLA but written anew and copied back into
-    the memory at every step (``python -m bench.step_trace``)."""
-    e = view.evidence
-    new = policy.params.decay * e + (weight(policy.params.weighted, obs) * obs.attention)[..., None]
-    return jnp.where(view.present[..., None], new, e), aux
+    """e <- decay * e + w * a: accumulates (decay 1) or measures (decay 0)."""
+    e = view.evidence[0]
+    return with_column(view, policy.params.decay * e + weight(policy.params.weighted, obs) * obs.attention), aux
 
 
 def _fold_lag_window(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     """Accumulate gamma^(H + 1 - age) * w * a while age <= H + 1, then decay by rho."""
     gamma, rho = policy.params.gamma, policy.params.decay_after
-    e = view.evidence[..., 0]
+    e = view.evidence[0]
     inside = view.age <= policy.lag + 1
     exponent = jnp.maximum(policy.lag + 1 - view.age, 0).astype(jnp.float32)
     added = e + jnp.power(jnp.float32(gamma), exponent) * weight(policy.params.weighted, obs) * obs.attention
@@ -120,7 +115,7 @@ def _fold_use_recency(policy: Policy, view: SlotView, obs: Observation, aux: PyT
         used = _above_uniform(obs, view.present)
     else:
         used = obs.attention > threshold
-    e = view.evidence[..., 0]
+    e = view.evidence[0]
     new = policy.params.decay * e + used.astype(jnp.float32)
     return with_column(view, new), aux
 

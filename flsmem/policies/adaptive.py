@@ -158,14 +158,14 @@ def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     used = jnp.where(judged, obs.attention, 0.0)
     mass = jnp.sum(used, axis=-1)
     target = used / jnp.where(mass > 0, mass, 1.0)[..., None]
-    loss = jnp.stack([_charge(p, target, ev[..., n + k]) for k in range(n)], axis=-1)
+    loss = jnp.stack([_charge(p, target, ev[n + k]) for k in range(n)], axis=-1)
     losses = jnp.where((mass > 0)[..., None], p.forget * losses + loss, losses)
 
-    sums = [decay * ev[..., k] + (obs.weight[:, None, None] if weighted else 1.0) * obs.attention
+    sums = [decay * ev[k] + (obs.weight[:, None, None] if weighted else 1.0) * obs.attention
             for k, (decay, weighted) in enumerate(zip(p.decays, p.weighted))]
     committed = _committed(policy, view)
     take = (view.step % p.horizon == 0)[:, None, None]
-    snapshots = [jnp.where(take, fresh, ev[..., n + k])
+    snapshots = [jnp.where(take, fresh, ev[n + k])
                  for k, fresh in enumerate(_snapshots(p, sums, committed, take))]
     snapshot_step = jnp.where(take[..., 0], view.step[:, None].astype(jnp.float32), snapshot_step)
     aux = jnp.concatenate([losses, snapshot_step[..., None]], axis=-1)
@@ -182,7 +182,7 @@ def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]
     p = policy.params
     committed = _committed(policy, view)
     weights = _weights(policy, aux)
-    return sum(weights[..., k, None] * _prediction(p.floor, view.evidence[..., k], committed)
+    return sum(weights[..., k, None] * _prediction(p.floor, view.evidence[k], committed)
                for k in range(len(p.decays)))
 
 
@@ -223,5 +223,5 @@ def adaptive(
                             rate=rate, floor=floor, judge=judge)
     return Policy(
         name="adaptive", score=_score, fold=_fold, init_aux=_init_aux, monitor=_monitor,
-        num_evidence=2 * len(params.decays), recent=recent, lag=lag, params=params,
+        evidence_shapes=((),) * (2 * len(params.decays)), recent=recent, lag=lag, params=params,
     )

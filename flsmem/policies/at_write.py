@@ -44,7 +44,7 @@ class RandomParams(Params):
         object.__setattr__(self, "seed", validate.nonneg_int("seed", self.seed))
 
 
-def _init_key_norm(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Array:
+def _init_key_norm(policy: Policy, payload: PyTree, position: Array, birth: Array) -> tuple[Array]:
     leaf = policy.params.leaf
     if not isinstance(payload, dict) or leaf not in payload:
         raise ValueError(
@@ -53,7 +53,7 @@ def _init_key_norm(policy: Policy, payload: PyTree, position: Array, birth: Arra
         )
     keys = payload[leaf].astype(jnp.float32)
     norm = jnp.sqrt(jnp.sum(keys * keys, axis=tuple(range(3, keys.ndim))))
-    return -norm[..., None]
+    return (-norm,)
 
 
 def _hash32(x: Array) -> Array:
@@ -66,14 +66,14 @@ def _hash32(x: Array) -> Array:
     return x ^ (x >> 16)
 
 
-def _init_random(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Array:
+def _init_random(policy: Policy, payload: PyTree, position: Array, birth: Array) -> tuple[Array]:
     b, k, q = position.shape
     row = lax.broadcasted_iota(jnp.uint32, (b, k, q), 0) * jnp.uint32(k) + lax.broadcasted_iota(
         jnp.uint32, (b, k, q), 1
     )
     h = _hash32(jnp.uint32(policy.params.seed) ^ _hash32(row))
     h = _hash32(h ^ position.astype(jnp.uint32))
-    return ((h >> 8).astype(jnp.float32) * (1.0 / (1 << 24)))[..., None]
+    return ((h >> 8).astype(jnp.float32) * (1.0 / (1 << 24)),)
 
 
 def key_norm(leaf: str = "k") -> Policy:

@@ -56,7 +56,8 @@ class SlotView(NamedTuple):
     """What a policy sees of the memory.
 
     Attributes:
-      evidence: ``[B, K, S, E]`` the policy's per-slot statistics.
+      evidence: the policy's per-slot statistics, a tuple of arrays ``[B, K, S, ...]``
+        shaped by ``policy.evidence_shapes``.
       age: ``[B, K, S]`` int32, queries seen since arrival (1 after the arrival step's
         query, including the query being folded when inside ``fold``).
       birth: ``[B, K, S]`` int32, step at which the item arrived.
@@ -66,7 +67,7 @@ class SlotView(NamedTuple):
         number of queries observed so far (in ``score``).
     """
 
-    evidence: Float[Array, "B K S E"]
+    evidence: tuple[Float[Array, "B K S ..."], ...]
     age: Int[Array, "B K S"]
     birth: Int[Array, "B K S"]
     position: Int[Array, "B K S"]
@@ -137,9 +138,9 @@ class Policy:
       score: ``score(policy, view, aux) -> [B, K, S]`` committed score; higher is kept.
       fold: ``fold(policy, view, observation, aux) -> (evidence, aux)`` folds one
         query's evidence; None for policies whose evidence never changes.
-      init_evidence: ``init_evidence(policy, payload, position, birth) -> [B, K, Q, E]``
-        evidence of newly written items (payload leaves ``[B, K, Q, ...]``); None
-        starts from zeros.
+      init_evidence: ``init_evidence(policy, payload, position, birth) -> tuple`` the
+        evidence arrays of newly written items, ``[B, K, Q, ...]`` each (payload leaves
+        ``[B, K, Q, ...]``); None starts from zeros.
       init_aux: ``init_aux(policy, batch, kv_heads, slots) -> pytree`` the policy's own
         state: per-row arrays with the rows first (the adaptive filter's noise
         estimates) or arrays the rows share, with no batch axis (the learned
@@ -154,7 +155,12 @@ class Policy:
         every finite score.
       monitor: ``monitor(policy, aux) -> {name: [B] array}`` figures of the policy's
         state added to :func:`flsmem.summary`; None adds nothing.
-      num_evidence: E, statistics kept per slot.
+      evidence_shapes: the trailing shape of each of the policy's evidence arrays:
+        array ``i`` is ``[B, K, S, *evidence_shapes[i]]`` float32; ``((),)``, one
+        number per slot, by default. A statistic the fold reads and writes as a whole
+        is best an array of its own: one array of several columns is rewritten whole
+        at every query (XLA cannot update a column in place while the others are
+        read), and copied (``python -m bench.evidence_layout``).
       params: the family's typed :class:`Params`, read as attributes
         (``policy.params.decay``); None for a policy without parameters. Change them
         with :meth:`with_params`.
@@ -194,7 +200,7 @@ class Policy:
     init_aux: InitAuxFn | None = None
     fallback_score: ScoreFn | None = None
     monitor: MonitorFn | None = None
-    num_evidence: int = 1
+    evidence_shapes: tuple[tuple[int, ...], ...] = ((),)
     params: Params | None = None
     sinks: int = 0
     recent: int = 0
@@ -212,9 +218,13 @@ class Policy:
         validate.nonneg_int("sinks", self.sinks)
         validate.nonneg_int("recent", self.recent)
         validate.nonneg_int("lag", self.lag)
+        shapes = self.evidence_shapes
         validate.require(
-            isinstance(self.num_evidence, int) and self.num_evidence >= 1,
-            f"num_evidence must be an int >= 1, got {self.num_evidence!r}",
+            isinstance(shapes, tuple) and len(shapes) >= 1 and all(
+                isinstance(shape, tuple) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1
+                                                 for d in shape) for shape in shapes),
+            f"evidence_shapes must be a non-empty tuple of tuples of ints >= 1 (one trailing shape per "
+            f"evidence array), got {shapes!r}",
         )
         validate.one_of("head_reduction", self.head_reduction, HEAD_REDUCTIONS)
         validate.boolean("normalise_by_age", self.normalise_by_age)
@@ -223,6 +233,11 @@ class Policy:
             self.params is None or isinstance(self.params, Params),
             f"params must be a flsmem.policies.Params or None, got {type(self.params).__name__}",
         )
+
+    @property
+    def num_evidence(self) -> int:
+        """How many evidence arrays the policy keeps."""
+        return len(self.evidence_shapes)
 
     @property
     def protected_age(self) -> int:
@@ -253,24 +268,19 @@ def weight(weighted: bool, obs: Observation) -> Float[Array, "B 1 1"]:
 
 
 def score_first(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
-    """The score held in the first evidence column."""
-    return view.evidence[..., 0]
+    """The score held in the first evidence array."""
+    return view.evidence[0]
 
 
-def with_column(view: SlotView, new: Float[Array, "B K S"]) -> Float[Array, "B K S 1"]:
-    """One-column evidence: ``new`` where the slot is present, the old value elsewhere
-    (:func:`with_columns` of one column)."""
+def with_column(view: SlotView, new: Float[Array, "B K S"]) -> tuple[Float[Array, "B K S"]]:
+    """One-array evidence: ``new`` where the slot is present, the old value elsewhere
+    (:func:`with_columns` of one array)."""
     return with_columns(view, [new])
 
 
-def with_columns(view: SlotView, columns: list[Float[Array, "B K S"]]) -> Float[Array, "B K S E"]:
-    """The evidence with its E columns replaced by ``columns`` where the slot is present.
-
-    The columns are stacked on a leading axis and moved last: ``jnp.stack(columns,
-    axis=-1)`` gives the same numbers several times slower on CPU (measured with
-    ``python -m bench.step_trace``), and dropping the axis of one-column evidence and
-    adding it back lets XLA lay the memory's evidence out apart and copy it every step.
-    """
-    evidence = view.evidence
-    new = jnp.moveaxis(jnp.stack(columns, axis=0), 0, -1)
-    return jnp.where(view.present[..., None], new, evidence)
+def with_columns(view: SlotView, arrays: list[Array]) -> tuple[Array, ...]:
+    """The evidence with its arrays replaced by ``arrays`` where the slot is present,
+    each kept apart so that XLA updates it in place."""
+    present = view.present
+    return tuple(jnp.where(present.reshape(present.shape + (1,) * (new.ndim - 3)), new, old)
+                 for new, old in zip(arrays, view.evidence, strict=True))

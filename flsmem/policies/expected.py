@@ -129,15 +129,15 @@ def _fold_queries(policy: Policy, aux: PyTree, queries: Float[Array, "B K G T D"
     }
 
 
-def _init_evidence(policy: Policy, payload: PyTree, position: Array, birth: Array) -> Float[Array, "B K Q E"]:
+def _init_evidence(policy: Policy, payload: PyTree, position: Array, birth: Array) -> tuple[Array, Array]:
+    """The value's norm ``[B, K, Q]`` and the key ``[B, K, Q, D]``."""
     if not isinstance(payload, dict) or not {"k", "v"} <= set(payload):
         validate.fail("expected_attention needs a KV memory (payload with 'k' and 'v', flsmem.init_kv)")
     keys = payload["k"].astype(jnp.float32)
     values = payload["v"].astype(jnp.float32)
     validate.require(keys.shape[-1] == policy.params.head_dim,
                      f"expected_attention was built for head_dim={policy.params.head_dim}, the keys have {keys.shape[-1]}")
-    norm = jnp.sqrt(jnp.sum(values * values, axis=-1, keepdims=True))
-    return jnp.concatenate([norm, keys], axis=-1)
+    return jnp.sqrt(jnp.sum(values * values, axis=-1)), keys
 
 
 def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
@@ -147,7 +147,7 @@ def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]
     mean = aux["q_sum"] / count  # [B, K, G, D]
     cos, sin = mean_rotation(p, aux["next"])  # [B, K, D/2]
     cos, sin = cos[:, :, None], sin[:, :, None]  # [B, K, 1, D/2]
-    keys = view.evidence[..., 1:]  # [B, K, S, D]
+    value_norm, keys = view.evidence  # [B, K, S], [B, K, S, D]
     logits = jnp.einsum("bkgd,bksd->bkgs", rotate(mean, cos, sin), keys) / jnp.sqrt(float(d))
     if p.covariance:
         cov = aux["q_outer"] / count[..., None] - mean[..., :, None] * mean[..., None, :]  # [B, K, G, D, D]
@@ -159,7 +159,7 @@ def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]
     logits = jnp.where(counted[:, :, None], logits, -jnp.inf)
     expected = jnp.mean(jnp.where(counted[:, :, None], jax.nn.softmax(logits, axis=-1), 0.0), axis=2)
     if p.value_norm:
-        expected = (expected + p.epsilon) * view.evidence[..., 0]
+        expected = (expected + p.epsilon) * value_norm
     return expected
 
 
@@ -188,5 +188,5 @@ def expected_attention(
                                      rope_factors=rope_factors, future=future, covariance=covariance,
                                      value_norm=value_norm, epsilon=epsilon)
     return Policy(name="expected_attention", score=_score, init_evidence=_init_evidence, init_aux=_init_aux,
-                  fold_queries=_fold_queries, num_evidence=head_dim + 1, params=params, sinks=sinks,
+                  fold_queries=_fold_queries, evidence_shapes=((), (head_dim,)), params=params, sinks=sinks,
                   recent=recent, score_when_due=True)

@@ -15,9 +15,9 @@ from flsmem.typing import Array, Float, PyTree
 
 __all__ = ["KalmanParams", "kalman"]
 
-# Kalman evidence columns: the filter (mean, variance P, measurements folded) and, for
+# Kalman evidence arrays: the filter (mean, variance P, measurements folded) and, for
 # the adaptive filter only, the derivatives of the mean and of P / r with respect to
-# log(q / r). The fixed filter carries three: every column is read and written per
+# log(q / r). The fixed filter carries three: every array is read and written per
 # query, so two unused ones would cost two fifths of its fold.
 _MEAN, _VAR, _COUNT, _DMEAN, _DVAR = range(5)
 # Adaptive aux, per row: log(q / r), r, and the running mean of dmean^2 (the
@@ -78,7 +78,7 @@ def _fold_kalman(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     innovations normalised by their predicted variance.
     """
     ev = view.evidence
-    m, var, n = ev[..., _MEAN], ev[..., _VAR], ev[..., _COUNT]
+    m, var, n = ev[_MEAN], ev[_VAR], ev[_COUNT]
     z = weight(policy.params.weighted, obs) * obs.attention
     q, r = _kalman_noise(policy, aux)
     first = n == 0
@@ -93,7 +93,7 @@ def _fold_kalman(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     # m = z and P = r, which do not depend on theta.
     if not policy.params.adaptive:
         return with_columns(view, [m_new, var_new, n + 1.0]), aux
-    dmean, dvar = ev[..., _DMEAN], ev[..., _DVAR]
+    dmean, dvar = ev[_DMEAN], ev[_DVAR]
     x = q / r
     dgain = jnp.where(first, 0.0, (dvar + x) * (r / spread) ** 2)
     dmean_new = (1.0 - gain) * dmean + dgain * innovation
@@ -132,7 +132,7 @@ def _kalman_init_aux(policy: Policy, batch: int, kv_heads: int, slots: int):
 
 
 def _score_kalman(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
-    return view.evidence[..., _MEAN]
+    return view.evidence[_MEAN]
 
 
 def kalman(
@@ -158,5 +158,5 @@ def kalman(
     params = KalmanParams(q=q, r=r, adaptive=adaptive, beta=beta, weighted=weighted)
     return Policy(
         name="kalman", score=_score_kalman, fold=_fold_kalman, init_aux=_kalman_init_aux,
-        num_evidence=5 if adaptive else 3, recent=recent, lag=lag, params=params,
+        evidence_shapes=((),) * (5 if adaptive else 3), recent=recent, lag=lag, params=params,
     )

@@ -49,7 +49,7 @@ class SurpriseParams(Params):
                              and self.reserve >= 0,
                              f"reserve must be None or an int >= 0, got {self.reserve!r}")
 
-# Evidence columns: attention summed since arrival, and the producing prediction's miss.
+# Evidence arrays: attention summed since arrival, and the producing prediction's miss.
 _ACCUMULATED, _SURPRISE = 0, 1
 
 
@@ -63,17 +63,17 @@ def _fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
     e = view.evidence
     # The item arriving now is the token the previous query predicted.
     arriving = view.age == 1
-    missed = jnp.where(arriving, 1.0 - aux["last_weight"][:, None, None], e[..., _SURPRISE])
-    evidence = with_columns(view, [e[..., _ACCUMULATED] + obs.attention, missed])
+    missed = jnp.where(arriving, 1.0 - aux["last_weight"][:, None, None], e[_SURPRISE])
+    evidence = with_columns(view, [e[_ACCUMULATED] + obs.attention, missed])
     return evidence, dict(aux, last_weight=obs.weight)
 
 
 def _score(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     # A / (1 + A) maps the accumulated attention A >= 0 into [0, 1), so with 0/1 weights
     # every missed item outranks every predicted one whatever their attention.
-    accumulated = view.evidence[..., _ACCUMULATED]
+    accumulated = view.evidence[_ACCUMULATED]
     attended = accumulated / (1.0 + accumulated)
-    first = view.evidence[..., _SURPRISE] + attended
+    first = view.evidence[_SURPRISE] + attended
     reserve = policy.params.reserve
     if reserve is None:
         return first
@@ -111,6 +111,6 @@ def surprise(recent: int = 0, reserve: int | None = None) -> Policy:
     the evidence, so its scores are committed only when an eviction is due
     (``score_when_due``; the kept sets are the same).
     """
-    return Policy(name="surprise", score=_score, fold=_fold, init_aux=_init_aux, num_evidence=2,
+    return Policy(name="surprise", score=_score, fold=_fold, init_aux=_init_aux, evidence_shapes=((), ()),
                   params=SurpriseParams(reserve=reserve), recent=recent,
                   score_when_due=reserve is not None)

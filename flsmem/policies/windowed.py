@@ -39,14 +39,16 @@ class SnapKVParams(Params):
 
 
 def _fold_ring(value_fn):
-    """Store this query's per-slot value in a ring buffer of the last E queries."""
+    """Store this query's per-slot value in a ring buffer of the last W queries (one
+    evidence array ``[B, K, S, W]``)."""
 
     def fold(policy: Policy, view: SlotView, obs: Observation, aux: PyTree):
         value = value_fn(policy, view, obs)
-        width = policy.num_evidence
-        column = jax.nn.one_hot(view.step % width, width, dtype=jnp.bool_)  # [B, E]
+        (ring,) = view.evidence
+        width = ring.shape[-1]
+        column = jax.nn.one_hot(view.step % width, width, dtype=jnp.bool_)  # [B, W]
         write_here = view.present[..., None] & column[:, None, None, :]
-        return jnp.where(write_here, value[..., None], view.evidence), aux
+        return (jnp.where(write_here, value[..., None], ring),), aux
 
     return fold
 
@@ -65,11 +67,11 @@ _fold_scissorhands = _fold_ring(_scissorhands_value)
 
 
 def _score_unimportance(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
-    return -jnp.sum(view.evidence, axis=-1)
+    return -jnp.sum(view.evidence[0], axis=-1)
 
 
 def _score_snapkv(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
-    votes = jnp.sum(view.evidence, axis=-1)
+    votes = jnp.sum(view.evidence[0], axis=-1)
     return _pool_by_position(votes, view.position, view.present, policy.params.kernel_size, policy.params.pooling)
 
 
@@ -105,7 +107,7 @@ def scissorhands(history: int = 32, *, recent: int = 0) -> Policy:
     history = validate.positive_int("history", history)
     return Policy(
         name="scissorhands", score=_score_unimportance, fold=_fold_scissorhands,
-        num_evidence=history, recent=recent,
+        evidence_shapes=((history,),), recent=recent,
     )
 
 
@@ -121,6 +123,6 @@ def snapkv(window: int = 32, *, kernel_size: int = 5, pooling: str = "avg") -> P
     """
     window = validate.positive_int("window", window)
     return Policy(
-        name="snapkv", score=_score_snapkv, fold=_fold_snapkv, num_evidence=window,
+        name="snapkv", score=_score_snapkv, fold=_fold_snapkv, evidence_shapes=((window,),),
         recent=window, params=SnapKVParams(kernel_size=kernel_size, pooling=pooling),
     )
