@@ -12,6 +12,10 @@ when the columns share one array, so XLA writes the new evidence elsewhere and c
 back into the loop's carry; with one array per column each output reads only its own
 index of each input. The three variants give the same numbers (checked before timing).
 
+It then lists, for each policy of ``--policies``, the slot-sized arrays that its whole
+compiled step copies (``bench.pyref``'s loop of write + update, no eviction due; the
+copies do not depend on the sizes, so a small memory is compiled).
+
     python -m bench.evidence_layout --cores 1
 """
 
@@ -25,12 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import common
+from bench import common, pyref
 from flsmem import policies as P
 from flsmem.harness.arguments import make_parser
 from flsmem.policies.base import Observation, SlotView
 
 LAYOUTS = ("[B, K, S, E]", "[B, K, E, S]", "library: one array per column")
+STEP_POLICIES = ("h2o", "rmm", "ema", "tova", "lag_window", "use_recency", "kalman", "surprise", "adaptive",
+                 "scissorhands", "snapkv")
 
 
 def kalman_columns(policy, m, var, n, z):
@@ -96,12 +102,23 @@ def copies(loop, *args) -> list[str]:
     return [shape for shape in re.findall(r"= (\w+\[[\d,]+\])\{[\d,]*\} copy\(", text)]
 
 
+def step_copies(name: str, n: int = 512, rows: int = 6) -> list[str]:
+    """The slot-sized arrays that policy ``name``'s compiled step copies: a jitted loop
+    of 8 steps of write + update (``bench.pyref``'s), donating the memory."""
+    memory = pyref.flsmem_memory(rows, n, 64, n, head_dim=8, policy=P.make(name))
+    attention = pyref.slot_attention(pyref.random_weights(np.random.default_rng(0), rows, n), memory.slots)
+    loop = jax.jit(functools.partial(pyref.flsmem_steps, steps=8), donate_argnums=(0,))
+    return [shape for shape in copies(loop, memory, attention) if re.search(rf"[\[,]{memory.slots}[\],]", shape)]
+
+
 def main(argv=None):
     parser = make_parser("python -m bench.evidence_layout", __doc__)
     parser.add_argument("--n", type=int, default=4096, help="slots per row")
     parser.add_argument("--rows", type=int, default=90)
     parser.add_argument("--steps", type=int, default=32, help="queries per timed call")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--policies", type=common.choices(STEP_POLICIES), default=list(STEP_POLICIES),
+                        help="policies whose step's copies are listed")
     common.add_timing_options(parser)
     args = parser.parse_args(argv)
     if min(args.n, args.rows, args.steps, args.rounds) < 1:
@@ -138,8 +155,14 @@ def main(argv=None):
         r = ratio[layout]
         copied = ", ".join(counts[layout]) or "none"
         print(f"| {layout} | {us:.0f} | x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f}) | {copied} |")
+    step = {name: step_copies(name) for name in args.policies}
+    print()
+    print("| policy | slot-sized arrays its step copies |")
+    print("|---|---|")
+    for name, shapes in step.items():
+        print(f"| {name} | {', '.join(shapes) or 'none'} |")
     common.save("evidence-layout", {"n": args.n, "rows": args.rows, "steps": args.steps, "rounds": args.rounds,
-                                    "seconds": times, "ratios": ratio, "copies": counts})
+                                    "seconds": times, "ratios": ratio, "copies": counts, "step_copies": step})
 
 
 if __name__ == "__main__":

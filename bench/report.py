@@ -343,6 +343,13 @@ def evidence_layout_section(record) -> list[str]:
     for layout, ratio in record["ratios"].items():
         copied = ", ".join(f"`{shape}`" for shape in record["copies"][layout]) or "none"
         lines.append(f"| {layout} | x{ratio['median']:.2f} (x{ratio['low']:.2f} .. x{ratio['high']:.2f}) | {copied} |")
+    if record.get("step_copies"):
+        lines += ["", "The slot-sized arrays that each policy's whole compiled step copies (write + update, no "
+                      "eviction due; a memory of 6 rows of 576 slots, the copies do not depend on the size): `pred` "
+                      "arrays are masks, `f32` ones evidence or scores.", "",
+                  "| policy | arrays its step copies |", "|---|---|"]
+        lines += [f"| {name} | {', '.join(f'`{shape}`' for shape in shapes) or 'none'} |"
+                  for name, shapes in record["step_copies"].items()]
     return lines + command_block(record)
 
 

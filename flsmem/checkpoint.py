@@ -57,8 +57,8 @@ PARTIAL = ".partial-"
 # With a manifest, the tree and the manifest are two items of one orbax checkpoint.
 _ARRAYS, _MANIFEST = "arrays", "manifest"
 
-# The layout of the saved state: 2 holds the evidence as a tuple of arrays (1 held it
-# as one [B, K, S, E] array, which this version cannot read).
+# The layout of the saved state: 2 holds the evidence as a tuple of arrays (1 held one
+# array with the statistics last, which this version cannot read).
 FORMAT = "flsmem.memory_state/2"
 _MEMORY = "memory checkpoint"
 # Fields of the config that change what a memory computes; the top-k implementation

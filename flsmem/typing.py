@@ -8,7 +8,6 @@ K     key/value heads: each (batch, KV head) pair is one *row* of memory
 G     query heads per KV head (grouped-query attention)
 Q     queries (or items) in a chunk fed at once
 S     slots of the memory (its capacity: ``budget + evict_every + max_chunk - 1``)
-E     evidence statistics kept per slot (policy-defined)
 D     head dimension of a key or value
 R     rows given to the top-k kernel (``B * K``)
 N     entries per row given to the top-k kernel

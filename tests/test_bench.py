@@ -193,12 +193,15 @@ def test_each_evidence_layout_folds_as_the_kalman_policy_does():
 
 
 def test_evidence_layout_writes_its_table_and_the_report_shows_it(results, capsys):
-    evidence_layout.main(["--n", "32", "--rows", "2", "--steps", "2", "--rounds", "1"])
+    evidence_layout.main(["--n", "32", "--rows", "2", "--steps", "2", "--rounds", "1", "--policies", "kalman"])
     record = json.loads((results / "evidence-layout.json").read_text())
     assert list(record["ratios"]) == list(evidence_layout.LAYOUTS)
     assert record["ratios"][evidence_layout.LAYOUTS[0]]["median"] == 1.0
+    # The filter's step copies one [B, K, S] float array (into the write's scatter), not its evidence twice.
+    assert [shape for shape in record["step_copies"]["kalman"] if shape.startswith("f32")] == ["f32[1,6,576]"]
     assert "one array per column" in capsys.readouterr().out
-    assert "## Evidence of several columns: its layout" in report.build()
+    built = report.build()
+    assert "## Evidence of several columns: its layout" in built and "| kalman | " in built
 
 
 def test_a_prefill_chunk_is_the_plain_forward_of_its_tokens():
