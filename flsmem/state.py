@@ -157,7 +157,7 @@ def init(
         position=jnp.full(rows, -1, jnp.int32),
         valid=jnp.zeros(rows, jnp.bool_),
         birth=jnp.zeros(rows, jnp.int32),
-        evidence=tuple(jnp.zeros(rows + shape, jnp.float32) for shape in policy.evidence_shapes),
+        evidence=policy.zero_evidence(rows),
         score=jnp.zeros(rows, jnp.float32),
         step=jnp.zeros((batch,), jnp.int32),
         aux=aux,

@@ -120,7 +120,7 @@ def _write_slots(state, payload, position, mask):
     policy = state.config.policy
     per_head = lambda x: jnp.broadcast_to(x[:, None, :], (b, k, q))  # noqa: E731
     if policy.init_evidence is None:
-        new_evidence = tuple(jnp.zeros((b, k, q) + shape, jnp.float32) for shape in policy.evidence_shapes)
+        new_evidence = policy.zero_evidence((b, k, q))
     else:
         new_evidence = policy.init_evidence(policy, payload, per_head(position), per_head(birth))
     stats = state.stats.replace(

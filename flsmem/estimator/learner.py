@@ -264,8 +264,8 @@ def _guided_fold(policy, view, obs, aux):
 def _guided_init_evidence(policy, payload, position, birth):
     learner, behaviour = policy.params.learner, policy.params.behaviour
     mine = learner.init_evidence(learner, payload, position, birth)
-    theirs = (tuple(jnp.zeros(position.shape + shape, jnp.float32) for shape in behaviour.evidence_shapes)
-              if behaviour.init_evidence is None else behaviour.init_evidence(behaviour, payload, position, birth))
+    theirs = (behaviour.zero_evidence(position.shape) if behaviour.init_evidence is None
+              else behaviour.init_evidence(behaviour, payload, position, birth))
     return tuple(mine) + tuple(theirs)
 
 

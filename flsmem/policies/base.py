@@ -239,6 +239,10 @@ class Policy:
         """How many evidence arrays the policy keeps."""
         return len(self.evidence_shapes)
 
+    def zero_evidence(self, rows: tuple[int, ...]) -> tuple[Array, ...]:
+        """Evidence of zeros for items laid out ``rows`` (``[B, K, S]`` or ``[B, K, Q]``)."""
+        return tuple(jnp.zeros(tuple(rows) + shape, jnp.float32) for shape in self.evidence_shapes)
+
     @property
     def protected_age(self) -> int:
         """Slots with ``age <= protected_age`` are protected."""
