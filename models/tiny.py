@@ -24,7 +24,7 @@ from flsmem import checkpoint
 from flsmem.models.data import ByteTokenizer
 from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 
-__all__ = ["CHECKPOINT_DIR", "TASKS_CHECKPOINT_DIR", "save_params", "load_params", "load_tiny"]
+__all__ = ["CHECKPOINT_DIR", "TASKS_CHECKPOINT_DIR", "save_params", "check_params", "load_params", "load_tiny"]
 
 # Package data: the same in a clone and in an installed wheel.
 CHECKPOINT_DIR = Path(str(resources.files("flsmem.checkpoints"))) / "tiny-austen"
@@ -56,19 +56,13 @@ def save_params(model: Decoder, directory: str | Path) -> Path:
     return directory
 
 
-def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
-    """A ``Decoder(cfg)`` with the parameters saved in ``directory``.
-
-    The target structure comes from ``nnx.eval_shape``, so no throwaway random weights
-    are built before the restore.
-
-    Args:
-      directory: a folder written by :func:`save_params`.
-      cfg: the configuration the weights were trained with.
+def check_params(directory: str | Path, cfg: DecoderConfig) -> Path:
+    """``directory``, resolved, once it is known to hold parameters saved for ``cfg``
+    (read from its record; the parameters themselves are not loaded).
 
     Raises:
       FileNotFoundError: ``directory`` holds no saved parameters.
-      ValueError: they were saved for a different configuration, or cannot be read.
+      ValueError: they were saved for a different configuration.
     """
     directory = Path(directory).resolve()
     if not (directory / _PARAMS).is_dir():
@@ -82,6 +76,24 @@ def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
         saved = json.loads(config_path.read_text())
         if DecoderConfig.from_dict(saved) != cfg:
             raise ValueError(f"parameters in {directory} were saved for {saved}, not for {dataclasses.asdict(cfg)}")
+    return directory
+
+
+def load_params(directory: str | Path, cfg: DecoderConfig) -> Decoder:
+    """A ``Decoder(cfg)`` with the parameters saved in ``directory``.
+
+    The target structure comes from ``nnx.eval_shape``, so no throwaway random weights
+    are built before the restore.
+
+    Args:
+      directory: a folder written by :func:`save_params`.
+      cfg: the configuration the weights were trained with.
+
+    Raises:
+      FileNotFoundError, ValueError: see :func:`check_params`; ValueError also when they
+        cannot be read.
+    """
+    directory = check_params(directory, cfg)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     params = checkpoint.restore_tree(directory / _PARAMS, abstract_params, what="parameters")

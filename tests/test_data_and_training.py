@@ -158,6 +158,52 @@ def test_bad_options_are_rejected():
         train(TrainOptions(length=128, progress=False), SMALL)
 
 
+# A bad argument of a training command: (module, arguments, words of the one-line error).
+# "{tmp}/old" holds a checkpoint at step 5 written with other settings, "{tmp}/same" one at
+# step 5 written with the estimator's default settings.
+BAD_TRAINING_ARGUMENTS = {
+    "decoder steps 0": ("train_decoder", ["--steps", "0"], "steps must be >= 1"),
+    "decoder warmup beyond steps": ("train_decoder", ["--steps", "2", "--warmup", "5"], "warmup must lie in"),
+    "decoder unknown task": ("train_decoder", ["--data", "tasks", "--tasks", "passkey,nosuch"], "tasks must be"),
+    "decoder windows too long": ("train_decoder", ["--length", "100000"], "max_len"),
+    "decoder init missing": ("train_decoder", ["--init", "{tmp}/none"], "init: no saved parameters"),
+    "decoder resuming other settings": ("train_decoder", ["--workdir", "{tmp}/old"], "--no-resume"),
+    "estimator batches 0": ("train_estimator", ["--batches", "0"], "batches must be an int >= 1"),
+    "estimator fractions": ("train_estimator", ["--fractions", "1/8,half"], "--fractions"),
+    "estimator unknown source": ("train_estimator", ["--sources", "tiny,books"], "sources must be"),
+    "estimator resuming other settings": ("train_estimator", ["--workdir", "{tmp}/old"], "--no-resume"),
+    "estimator fewer batches than streamed": ("train_estimator", ["--workdir", "{tmp}/same", "--batches", "3"],
+                                              "batches 3 is below the 5 batches"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TRAINING_ARGUMENTS))
+def test_a_bad_training_argument_is_one_line_and_exit_status_2(case, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    from flsmem.train import train_estimator
+    from flsmem.train.resumable import Checkpoints
+
+    module, argv, words = BAD_TRAINING_ARGUMENTS[case]
+    command = importlib.import_module(f"flsmem.train.{module}")
+    monkeypatch.setattr(command, "train", lambda *a, **k: pytest.fail("a bad argument must stop before training"))
+    Checkpoints(tmp_path / "old", 2, {"settings": "of another run"}).save(5, {"x": np.zeros(2)}, {})
+    same = train_estimator.EstimatorOptions().run_settings()
+    Checkpoints(tmp_path / "same", 2, same).save(5, {"x": np.zeros(2)}, {})
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--workdir" not in argv:
+        argv += ["--workdir", str(tmp_path / "work")]
+    with pytest.raises(SystemExit) as stop:
+        command.main(argv + ["--no-progress"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.count("\n") == 1 and err.startswith(f"python -m flsmem.train.{module}: error: ") and words in err
+    # Nothing already written is lost, and nothing new is written.
+    for run in ("old", "same"):
+        assert Checkpoints(tmp_path / run, 2, {}).steps() == [5]
+    assert not (tmp_path / "work").exists()
+
+
 def test_save_and_load_params_round_trip(tmp_path):
     model = Decoder(SMALL, rngs=nnx.Rngs(3))
     save_params(model, tmp_path)

@@ -14,7 +14,6 @@ import flsmem
 from flsmem import policies as P
 from flsmem import testing
 from flsmem.oracle_future import discounted_future
-from flsmem.policies.base import with_columns
 
 # One compile per config instead of op-by-op dispatch.
 write = jax.jit(flsmem.write)
@@ -324,7 +323,7 @@ def test_registry_holds_the_public_policies():
 
 def _fold_count_and_last_two(policy, view, obs, aux):
     count, last = view.evidence
-    return with_columns(view, [count + 1.0, jnp.stack([last[..., 1], obs.attention], axis=-1)]), aux
+    return P.with_columns(view, [count + 1.0, jnp.stack([last[..., 1], obs.attention], axis=-1)]), aux
 
 
 def test_a_policy_keeps_evidence_arrays_of_the_shapes_it_declares():

@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 
 from flsmem import checkpoint
 
-__all__ = ["Checkpoints", "stop_on_sigterm"]
+__all__ = ["Checkpoints", "resumed_step", "stop_on_sigterm"]
 
 T = TypeVar("T")
 _WHAT = "training checkpoint"
@@ -34,7 +34,7 @@ class Checkpoints:
     def __init__(self, workdir: str | Path, keep: int, settings: dict[str, Any]):
         self.workdir = Path(workdir).absolute()
         self.keep = keep
-        self.settings = json.loads(json.dumps(settings))  # as they read back from JSON
+        self.settings = _as_read_back(settings)
         self.workdir.mkdir(parents=True, exist_ok=True)
         # Saves a kill interrupted: never renamed into place, never to be read.
         for partial in self.workdir.glob(f"*{checkpoint.PARTIAL}*"):
@@ -42,7 +42,7 @@ class Checkpoints:
 
     def steps(self) -> list[int]:
         """The steps of the finished checkpoints, oldest first."""
-        return sorted(int(p.name) for p in self.workdir.iterdir() if p.is_dir() and p.name.isdigit())
+        return _finished_steps(self.workdir)
 
     def resume(self, state: Any, resume: bool = True) -> tuple[int, Any, dict | None]:
         """``(step, state, meta)`` of the latest checkpoint, or ``(0, state, None)`` to
@@ -52,18 +52,13 @@ class Checkpoints:
         Raises:
           ValueError: the latest checkpoint was written with other settings, or cannot be read.
         """
-        steps = self.steps()
-        if not resume or not steps:
-            for old in steps:
+        step = resumed_step(self.workdir, self.settings, resume)
+        if not step:
+            for old in self.steps():
                 shutil.rmtree(self.workdir / str(old))
             return 0, state, None
-        path = self.workdir / str(steps[-1])
-        meta = checkpoint.read_manifest(path, what=_WHAT)
-        if meta.get("settings") != self.settings:
-            raise ValueError(f"the checkpoint in {self.workdir} was written with settings "
-                             f"{meta.get('settings')}, not {self.settings}; use another --workdir, "
-                             f"or --no-resume to start afresh there")
-        return steps[-1], checkpoint.restore_tree(path, state, what=_WHAT), meta
+        path = self.workdir / str(step)
+        return step, checkpoint.restore_tree(path, state, what=_WHAT), checkpoint.read_manifest(path, what=_WHAT)
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
         """Save ``state`` and ``meta`` (JSON-able; the settings are added) at ``step``,
@@ -72,6 +67,38 @@ class Checkpoints:
         checkpoint.save_tree(self.workdir / str(step), state, manifest=record, overwrite=True, what=_WHAT)
         for old in self.steps()[:-self.keep]:
             shutil.rmtree(self.workdir / str(old))
+
+
+def resumed_step(workdir: str | Path, settings: dict[str, Any], resume: bool = True) -> int:
+    """The step a run with ``settings`` would resume from in ``workdir``: its latest
+    checkpoint's, or 0 when it starts afresh (``resume`` False, or no checkpoint there).
+    Reads only the checkpoint's record, so a command can check its arguments with it
+    before it writes anything.
+
+    Raises:
+      ValueError: the latest checkpoint was written with other settings, or cannot be read.
+    """
+    workdir = Path(workdir).absolute()
+    steps = _finished_steps(workdir) if workdir.is_dir() else []
+    if not resume or not steps:
+        return 0
+    meta = checkpoint.read_manifest(workdir / str(steps[-1]), what=_WHAT)
+    settings = _as_read_back(settings)
+    if meta.get("settings") != settings:
+        raise ValueError(f"the checkpoint in {workdir} was written with settings "
+                         f"{meta.get('settings')}, not {settings}; use another --workdir, "
+                         f"or --no-resume to start afresh there")
+    return steps[-1]
+
+
+def _finished_steps(workdir: Path) -> list[int]:
+    """The steps of the finished checkpoints in ``workdir``, oldest first."""
+    return sorted(int(p.name) for p in workdir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def _as_read_back(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` as they read back from a checkpoint's JSON record (tuples as lists)."""
+    return json.loads(json.dumps(settings))
 
 
 def stop_on_sigterm(train: Callable[[Callable[[], bool]], T]) -> T:

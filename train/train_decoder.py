@@ -49,12 +49,14 @@ from tqdm.auto import tqdm
 from flsmem.models.data import ByteTokenizer, cut_windows, load_split, random_windows
 from flsmem.models.decoder import TINY, Decoder, DecoderConfig
 from flsmem.models.tasks import LATE, TASKS, make_tasks, mixed_tasks
-from flsmem.models.tiny import load_params, save_params
-from flsmem.train.resumable import Checkpoints, stop_on_sigterm
+from flsmem.harness.arguments import checking, make_parser
+from flsmem.models.tiny import check_params, load_params, save_params
+from flsmem.train.resumable import Checkpoints, resumed_step, stop_on_sigterm
 
-__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "evaluate", "task_accuracy", "bits_per_byte", "main"]
+__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "check_run", "evaluate", "task_accuracy", "bits_per_byte", "main"]
 
 # Outside the repository, so checkpoints never end up among tracked files.
+PROG = "python -m flsmem.train.train_decoder"
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_decoder"
 
 
@@ -320,13 +322,35 @@ def _batch(options: TrainOptions, tokens: np.ndarray, rng: np.random.Generator) 
     return windows, weights.astype(np.float32)
 
 
+def _settings(options: TrainOptions, cfg: DecoderConfig) -> dict[str, Any]:
+    """What a checkpoint of the run records, and a resumed run must share."""
+    return {"options": options.run_settings(), "model": dataclasses.asdict(cfg)}
+
+
+def check_run(options: TrainOptions, cfg: DecoderConfig = TINY) -> None:
+    """What would stop the run before its first step, checked before anything is written.
+
+    Raises:
+      ValueError: windows longer than the model's ``max_len``; ``init`` holding no
+        parameters, or parameters saved for another configuration; checkpoints in
+        ``workdir`` written with other settings (when resuming).
+    """
+    if options.length > cfg.max_len:
+        raise ValueError(f"length ({options.length}) exceeds the model's max_len ({cfg.max_len})")
+    if options.init is not None:
+        try:
+            check_params(options.init, cfg)
+        except (FileNotFoundError, ValueError) as error:
+            raise ValueError(f"init: {error}") from None
+    resumed_step(options.workdir, _settings(options, cfg), options.resume)
+
+
 def _restore(options: TrainOptions, cfg: DecoderConfig, workdir: Path, params, opt_state):
     """The run's checkpoints and where it starts: ``(checkpoints, start, params, opt_state,
     data_rng)``, from the latest checkpoint when resuming, else as given."""
     # The sampler's own generator, seeded apart from the parameters; its state is checkpointed.
     data_rng = np.random.default_rng([options.seed, 1])
-    settings = {"options": options.run_settings(), "model": dataclasses.asdict(cfg)}
-    checkpoints = Checkpoints(workdir, options.keep, settings)
+    checkpoints = Checkpoints(workdir, options.keep, _settings(options, cfg))
     start, state, meta = checkpoints.resume({"params": params, "opt_state": opt_state}, options.resume)
     if meta is not None:
         data_rng.bit_generator.state = meta["data_rng"]
@@ -473,10 +497,9 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
       The model and the losses seen; see :class:`TrainResult`.
 
     Raises:
-      ValueError: resuming a checkpoint written with other settings.
+      ValueError: see :func:`check_run`.
     """
-    if options.length > cfg.max_len:
-        raise ValueError(f"length ({options.length}) exceeds the model's max_len ({cfg.max_len})")
+    check_run(options, cfg)
     tokenizer = ByteTokenizer()
     train_tokens = tokenizer.encode(load_split("train"))
     val_tokens = tokenizer.encode(load_split("validation"))
@@ -508,11 +531,7 @@ def train(options: TrainOptions, cfg: DecoderConfig = TINY, *,
 
 def _parser() -> argparse.ArgumentParser:
     defaults = TrainOptions()
-    p = argparse.ArgumentParser(
-        prog="python -m flsmem.train.train_decoder",
-        description="Train the byte-level TINY decoder on the Austen train books.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = make_parser(PROG, __doc__)
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps in the whole run")
     p.add_argument("--batch", type=int, default=defaults.batch, help="windows per step")
     p.add_argument("--length", type=int, default=defaults.length, help="bytes per window")
@@ -555,7 +574,10 @@ def main(argv: list[str] | None = None) -> TrainResult:
     then resumes there.
     """
     args = vars(_parser().parse_args(argv))
-    result = stop_on_sigterm(lambda should_stop: train(TrainOptions(**args), should_stop=should_stop))
+    with checking(PROG):
+        options = TrainOptions(**args)
+        check_run(options)
+    result = stop_on_sigterm(lambda should_stop: train(options, should_stop=should_stop))
     if result.interrupted:
         raise SystemExit(128 + signal.SIGTERM)
     return result

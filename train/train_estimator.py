@@ -46,10 +46,12 @@ from tqdm.auto import tqdm
 
 from flsmem import estimator as E
 from flsmem import policies as P
-from flsmem.train.resumable import Checkpoints, stop_on_sigterm
+from flsmem.harness.arguments import checking, make_parser
+from flsmem.train.resumable import Checkpoints, resumed_step, stop_on_sigterm
 
-__all__ = ["EstimatorOptions", "SOURCES", "train", "main"]
+__all__ = ["EstimatorOptions", "SOURCES", "train", "check_run", "main"]
 
+PROG = "python -m flsmem.train.train_estimator"
 SOURCES = ("tasks", "tiny", "smollm2", "gemma3", "ruler")
 # Seeds of the RULER samples that pretraining draws: evaluations use seeds below this.
 RULER_SEEDS = 2**20
@@ -263,6 +265,21 @@ def _batches(options: EstimatorOptions, policy, learned: dict, start: int, check
     return learned, interrupted
 
 
+def check_run(options: EstimatorOptions) -> None:
+    """What would stop the run before its first batch, checked before anything is written.
+
+    Raises:
+      ValueError: checkpoints in ``workdir`` written with other settings, or having
+        streamed more than ``batches`` (when resuming).
+    """
+    start = resumed_step(options.workdir, options.run_settings(), options.resume)
+    if start > options.batches:
+        # Its parameters have seen more batches than asked for: exporting them would mislabel them.
+        raise ValueError(f"batches {options.batches} is below the {start} batches the checkpoint in "
+                         f"{Path(options.workdir).absolute()} has streamed; raise batches, or start afresh "
+                         f"(--no-resume)")
+
+
 def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None = None) -> dict:
     """Pretrain (or resume pretraining) the estimator; returns the learned state
     (:func:`flsmem.estimator.carry_over` form, with ``"interrupted": True`` added when
@@ -272,13 +289,10 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
     checkpoint there and returns early (without ``--out``), so a job told to stop
     (SIGTERM, see :func:`main`) loses nothing; one killed outright resumes from its
     last checkpoint, at most ``save_every`` batches back."""
+    check_run(options)
     policy, learned = _fresh(options)
     checkpoints = Checkpoints(Path(options.workdir).absolute(), options.keep, options.run_settings())
     start, learned, _ = checkpoints.resume(learned, options.resume)
-    if start > options.batches:
-        # Its parameters have seen more batches than asked for: exporting them would mislabel them.
-        raise ValueError(f"batches {options.batches} is below the {start} batches the checkpoint in "
-                         f"{checkpoints.workdir} has streamed; raise batches, or start afresh (--no-resume)")
     learned, interrupted = _batches(options, policy, learned, start, checkpoints, should_stop)
     if interrupted:
         print("stopped early; the same command resumes from the checkpoint just saved")
@@ -291,9 +305,7 @@ def train(options: EstimatorOptions, *, should_stop: Callable[[], bool] | None =
 
 def _parser() -> argparse.ArgumentParser:
     d = EstimatorOptions()
-    p = argparse.ArgumentParser(prog="python -m flsmem.train.train_estimator",
-                                description="Pretrain the learned importance estimator on training-split traces.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = make_parser(PROG, __doc__)
     p.add_argument("--batches", type=int, default=d.batches, help="window batches in the whole run")
     p.add_argument("--sources", default=",".join(d.sources), help=f"comma-separated, from {SOURCES}")
     p.add_argument("--fractions", default="1/8,1/4,1/2,1", help="budgets as fractions of the window, in turn")
@@ -339,9 +351,12 @@ def main(argv: list[str] | None = None) -> dict:
     then resumes there.
     """
     args = vars(_parser().parse_args(argv))
-    args["sources"] = tuple(s.strip() for s in args["sources"].split(","))
-    args["fractions"] = _fractions(args["fractions"])
-    learned = stop_on_sigterm(lambda should_stop: train(EstimatorOptions(**args), should_stop=should_stop))
+    with checking(PROG):
+        args["sources"] = tuple(s.strip() for s in args["sources"].split(","))
+        args["fractions"] = _fractions(args["fractions"])
+        options = EstimatorOptions(**args)
+        check_run(options)
+    learned = stop_on_sigterm(lambda should_stop: train(options, should_stop=should_stop))
     if learned.get("interrupted"):
         raise SystemExit(128 + signal.SIGTERM)
     return learned

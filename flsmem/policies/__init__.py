@@ -27,7 +27,7 @@ from flsmem.policies.accumulate import (
 )
 from flsmem.policies.adaptive import AdaptiveParams, adaptive
 from flsmem.policies.at_write import KeyNormParams, RandomParams, key_norm, random
-from flsmem.policies.base import HEAD_REDUCTIONS, Observation, Params, Policy, SlotView
+from flsmem.policies.base import HEAD_REDUCTIONS, Observation, Params, Policy, SlotView, with_columns
 from flsmem.policies.budgets import HeadBudget, LayerSchedule, adakv, layer_budgets, pyramid
 from flsmem.policies.expected import ExpectedAttentionParams, expected_attention
 from flsmem.policies.kalman import KalmanParams, kalman
@@ -79,4 +79,5 @@ __all__ = [
     "tova",
     "use_recency",
     "window",
+    "with_columns",
 ]
