@@ -184,7 +184,6 @@ def fold_evidence(view: SlotView, obs: Observation, aux: PyTree):
     return evidence, aux, w * z
 
 
-
 def score_rmm(policy: Policy, view: SlotView, aux: PyTree) -> Float[Array, "B K S"]:
     """The RMM score (correctness-weighted attention summed over the slot's life), one of
     the evidence arrays: the learned policy's fallback."""
