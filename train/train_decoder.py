@@ -53,10 +53,11 @@ from flsmem.harness.arguments import checking, make_parser
 from flsmem.models.tiny import check_params, load_params, save_params
 from flsmem.train.resumable import Checkpoints, resumed_step, stop_on_sigterm
 
-__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "check_run", "evaluate", "task_accuracy", "bits_per_byte", "main"]
+__all__ = ["TrainOptions", "TrainResult", "DEFAULT_WORKDIR", "train", "check_run", "evaluate", "task_accuracy",
+           "bits_per_byte", "main"]
 
-# Outside the repository, so checkpoints never end up among tracked files.
 PROG = "python -m flsmem.train.train_decoder"
+# Outside the repository, so checkpoints never end up among tracked files.
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "flsmem" / "train_decoder"
 
 
