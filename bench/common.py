@@ -224,6 +224,43 @@ def save(name: str, payload: dict) -> pathlib.Path:
     return path
 
 
+class Partial:
+    """The finished parts of a long benchmark, saved as each part ends, so that a run
+    stopped before its end keeps them: ``results/bench/partial/<name>.json``.
+
+    Rerunning the same command at the same commit (with no uncommitted changes to the
+    code) skips the parts already saved; any other partial file is set aside with a
+    message, since its figures came from other code or other settings. :func:`save`
+    of the whole record and :meth:`finish` remove it.
+    """
+
+    def __init__(self, name: str):
+        self.path = RESULTS / "partial" / f"{name}.json"
+        self.key = {"command": command(), "commit": commit()}
+        self.parts: dict[str, list] = {}
+        if self.path.exists():
+            record = json.loads(self.path.read_text())
+            reusable = not self.key["commit"].endswith("+changes") and self.key["commit"] != "unknown"
+            if reusable and all(record.get(k) == v for k, v in self.key.items()):
+                self.parts = record["parts"]
+            else:
+                print(f"{self.path}: saved by another command or commit, not reused", file=sys.stderr)
+
+    def get(self, part: str) -> list | None:
+        """The rows saved for ``part``, or None if it has not finished."""
+        return self.parts.get(part)
+
+    def put(self, part: str, rows: list) -> None:
+        self.parts[part] = rows
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**self.key, "parts": self.parts}, indent=1) + "\n")
+        tmp.replace(self.path)  # a run stopped while writing leaves the previous file whole
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def positive_ints(text: str) -> list[int]:
     """argparse type: a comma-separated list of positive ints."""
     try:

@@ -15,6 +15,9 @@ On a 2-core CPU, pass ``--cores 1`` to compare the work of the two loops: with t
 threads, how fast XLA's second thread wakes for each parallel operation moves a step's
 time by more than flsmem's work does (bench/NOTES.md). ``--quick`` runs on one core
 unless ``--cores`` says otherwise.
+
+Each model and batch size is saved to ``results/bench/partial/`` as it finishes, so a
+stopped run keeps them: the same command at the same commit resumes after them.
 """
 
 from __future__ import annotations
@@ -123,12 +126,21 @@ def measure(model, name: str, batch: int, pols: list[str], evict_every: list[int
 def main(argv=None):
     args = parse(argv)
     common.set_timing(args)  # before the first computation: it may pin the cores
+    partial = common.Partial(args.out)
     rows = []
     for name in args.models:
-        model = common.load_model(name)
+        model = None
         for batch in args.batch:
-            rows += measure(model, name, batch, args.policies, args.evict_every, args.steps, args.rounds)
-            new_rows = rows[-len(args.policies) * len(args.evict_every):]
+            part = f"{name}, batch {batch}"
+            new_rows = partial.get(part)
+            if new_rows is None:
+                if model is None:
+                    model = common.load_model(name)
+                new_rows = measure(model, name, batch, args.policies, args.evict_every, args.steps, args.rounds)
+                partial.put(part, new_rows)
+            else:
+                print(f"{part}: measured by an earlier run of this command, from {partial.path}", flush=True)
+            rows += new_rows
             for row in new_rows:
                 print(f"{row['model']:8} B={row['batch']} {row['policy']:4} evict_every={row['evict_every']:3} "
                       f"overhead {100 * row['overhead']:+6.2f}% (95% interval of the median "
@@ -136,6 +148,7 @@ def main(argv=None):
                       f"rounds {100 * row['overhead_low']:+.2f}% .. {100 * row['overhead_high']:+.2f}%), "
                       f"first call x{row['first_call_ratio']:.2f}", flush=True)
     common.save(args.out, {"rows": rows})
+    partial.finish()
     if args.quick:
         print(f"overhead {100 * rows[0]['overhead']:+.2f}%")
 

@@ -383,3 +383,35 @@ def test_every_benchmark_gives_its_defaults_in_help(capsys):
         text = capsys.readouterr().out
         assert stop.value.code == 0 and text.startswith(f"usage: python -m bench.{name}"), name
         assert ("(default:" in text) == (name not in _NO_DEFAULTS), name
+
+
+def test_a_stopped_overhead_run_keeps_its_finished_batches_and_a_rerun_skips_them(results, monkeypatch, capsys):
+    monkeypatch.setattr(common, "commit", lambda: "abc1234")
+    monkeypatch.setattr(common, "command", lambda: "python -m bench.overhead --batch 1,8")
+    monkeypatch.setattr(common, "load_model", lambda name: MODEL)
+    measured, stop = [], [True]
+
+    def measure(model, name, batch, pols, evict_every, steps, rounds):
+        if batch == 8 and stop:
+            stop.pop()
+            raise InterruptedError  # the first run is stopped during batch 8
+        measured.append(batch)
+        return [{"model": name, "batch": batch, "policy": "rmm", "evict_every": 8, "overhead": 0.01 * batch,
+                 "overhead_median_low": 0.0, "overhead_median_high": 0.1, "overhead_low": 0.0, "overhead_high": 0.1,
+                 "first_call_ratio": 1.0}]
+
+    monkeypatch.setattr(overhead, "measure", measure)
+    argv = ["--models", "tiny", "--batch", "1,8", "--policies", "rmm", "--evict-every", "8"]
+    with pytest.raises(InterruptedError):
+        overhead.main(argv)
+    assert not (results / "overhead.json").exists()
+    assert list(json.loads((results / "partial" / "overhead.json").read_text())["parts"]) == ["tiny, batch 1"]
+    overhead.main(argv)
+    assert measured == [1, 8]  # batch 1 came from the partial file
+    assert [r["batch"] for r in json.loads((results / "overhead.json").read_text())["rows"]] == [1, 8]
+    assert not (results / "partial" / "overhead.json").exists()
+    # Saved by other code, a partial file is not reused.
+    common.Partial("overhead").put("tiny, batch 1", [])
+    monkeypatch.setattr(common, "commit", lambda: "def5678")
+    assert common.Partial("overhead").get("tiny, batch 1") is None
+    assert "not reused" in capsys.readouterr().err
