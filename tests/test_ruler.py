@@ -158,9 +158,27 @@ def test_an_average_over_fewer_tasks_says_so():
         rows += [_row("vt", "rmm", "stream", 0.25, index, 0.0)]
     text = report.format_report(rows, "t")
     assert "| h2o | 0.25 | 100 [100–100] | 100 [100–100] | 100 [100–100] |" in text
-    assert "| rmm | 0.25 | 0 [0–0] | – | 0 [0–0] (1 of 2 tasks) |" in text
-    assert "| rmm | 0 [0–0] (1 of 2 tasks) |" in text
+    assert "| rmm | 0.25 | 0 [0–0] | – | 0 [0–0] (1 of 2 tasks, full 100 on them) |" in text
+    assert "| rmm | 0 [0–0] (1 of 2 tasks, full 100 on them) |" in text
     assert "| h2o | 100 [100–100] |" in text
+
+
+def test_an_average_over_fewer_tasks_gives_the_full_caches_on_the_same_tasks():
+    """Set beside an arm that lacks a task, the full cache's average over every task
+    would mislead: the note gives its average over the arm's tasks, by hand 100 on vt
+    alone where over vt and fwe it is (100 + 50) / 2 = 75."""
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(2):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("fwe", "full", "stream", 1.0, index, 0.5),
+                 _row("vt", "rmm", "stream", 0.25, index, 0.0), _row("fwe", "h2o", "stream", 0.25, index, 0.0),
+                 _row("vt", "h2o", "stream", 0.25, index, 0.0)]
+    text = report.format_report(rows, "t")
+    assert "| full | full | 100 [100–100] | 50 [50–50] | 75 [75–75] |" in text
+    assert "| rmm | 0.25 | 0 [0–0] | – | 0 [0–0] (1 of 2 tasks, full 100 on them) |" in text
+    assert "| rmm | 0 [0–0] (1 of 2 tasks, full 100 on them) |" in text
+    assert "| h2o | 0.25 | 0 [0–0] | 0 [0–0] | 0 [0–0] |" in text
 
 
 def test_an_average_over_fewer_samples_says_so():
@@ -177,7 +195,8 @@ def test_an_average_over_fewer_samples_says_so():
     assert "| rmm | 0 [0–0] (2–3 samples a task) |" in text
     assert "| h2o | 0.25 | 100 [100–100] | 100 [100–100] | 100 [100–100] |" in text
     rows = [r for r in rows if not (r["policy"] == "rmm" and r["task"] == "fwe")]
-    assert "| rmm | 0 [0–0] (1 of 2 tasks, 2 samples a task) |" in report.format_report(rows, "t")
+    assert "| rmm | 0 [0–0] (1 of 2 tasks, full 100 on them, 2 samples a task) |" in report.format_report(
+        rows, "t")
 
 
 def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):

@@ -104,15 +104,21 @@ def _cell(per_task: list[np.ndarray] | None) -> str:
     return f"{100 * mean:.0f} [{100 * low:.0f}–{100 * high:.0f}]"
 
 
-def _average(got: dict[str, np.ndarray], tasks: list[str], most: dict[str, int]) -> str:
+def _average(got: dict[str, np.ndarray], tasks: list[str], most: dict[str, int],
+             full: dict[str, np.ndarray] | None = None) -> str:
     """The average of ``got`` over ``tasks`` (the kept tasks the table holds). Its
     figure cannot be set beside the others' when it lacks some of those tasks, or has
     fewer samples of one than some other arm (``most``: the largest count per task): it
-    says over how many tasks and how many samples a task it is."""
+    says over how many tasks and how many samples a task it is, and, lacking tasks, what
+    the full cache (``full``) scores on the ones it has."""
     have = [t for t in tasks if t in got]
     if not have:
         return _cell(None)
-    notes = [] if len(have) == len(tasks) else [f"{len(have)} of {len(tasks)} tasks"]
+    notes = []
+    if len(have) < len(tasks):
+        notes.append(f"{len(have)} of {len(tasks)} tasks")
+        if full and all(t in full for t in have):
+            notes.append(f"full {100 * np.mean([full[t].mean() for t in have]):.0f} on them")
     counts = sorted({len(got[t]) for t in have})
     if any(len(got[t]) < most[t] for t in have):
         spread = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
@@ -161,7 +167,8 @@ def _summary(scores, length, policies, kept, most) -> list[str]:
         for proto, b in columns:
             # The full cache answers alike under every protocol and budget: its one figure in every column.
             tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
-            cells.append(_average(tasks, _present(scores, length, kept, proto), most) if tasks else "–")
+            full = scores.get((length, proto, "full", 1.0))
+            cells.append(_average(tasks, _present(scores, length, kept, proto), most, full) if tasks else "–")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return lines
 
@@ -175,7 +182,7 @@ def _protocol_table(scores, length, protocol, policies, kept, beyond, most) -> l
     for policy, budget in _arms(scores, length, protocol, policies):
         got = scores[(length, protocol, policy, budget)]
         cells = [_cell([got[t]] if t in got else None) for t in tasks]
-        average = _average(got, [t for t in tasks if t in kept], most)
+        average = _average(got, [t for t in tasks if t in kept], most, scores.get((length, protocol, "full", 1.0)))
         lines.append(f"| {policy} | {'full' if policy == 'full' else f'{budget:g}'} | " + " | ".join(cells)
                      + f" | {average} |")
     return lines
