@@ -230,8 +230,8 @@ class Partial:
 
     Rerunning the same command at the same commit (with no uncommitted changes to the
     code) skips the parts already saved; any other partial file is set aside with a
-    message, since its figures came from other code or other settings. :func:`save`
-    of the whole record and :meth:`finish` remove it.
+    message, since its figures came from other code or other settings. :meth:`finish`,
+    called once the whole record is saved, removes it.
     """
 
     def __init__(self, name: str):
@@ -244,7 +244,8 @@ class Partial:
             if reusable and all(record.get(k) == v for k, v in self.key.items()):
                 self.parts = record["parts"]
             else:
-                print(f"{self.path}: saved by another command or commit, not reused", file=sys.stderr)
+                print(f"{self.path}: not reused (saved by another command or commit, or the code has "
+                      "uncommitted changes)", file=sys.stderr)
 
     def get(self, part: str) -> list | None:
         """The rows saved for ``part``, or None if it has not finished."""
