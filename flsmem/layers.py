@@ -21,7 +21,7 @@ from flsmem import validate
 from flsmem.config import MemoryConfig
 from flsmem.observe import observe
 from flsmem.state import MemoryState, aux_axes, init, visible
-from flsmem.typing import Array, Bool, Float, Int
+from flsmem.typing import Array, Bool, Float, Int, PyTree
 from flsmem.update import update
 from flsmem.write import write_slots
 
@@ -97,19 +97,21 @@ def fold_layers(memories: MemoryState):
 
 
 def place(
-    memories: MemoryState, position: Int[Array, "B T"]
+    memories: MemoryState, position: Int[Array, "B T"], items: PyTree | None = None
 ) -> tuple[MemoryState, tuple[Int[Array, "L B K T"], Bool[Array, "L B K T S"]]]:
     """The bookkeeping of writing T new items in every layer at once, before the layer loop.
 
     Where the new items go and what each query may see depend on the memories only, not
     on the keys and values the layers are about to compute, so all layers are placed in
-    one go. Only for policies whose new evidence does not read the payload
-    (``policy.init_evidence is None``); others place layer by layer inside
-    :func:`flsmem.attend`.
+    one go. A policy whose new evidence reads the payload (``policy.init_evidence``)
+    needs the items themselves: without them, such policies place layer by layer
+    inside :func:`flsmem.attend`.
 
     Args:
       memories: stacked memories ``[L, ...]`` (:func:`init_kv` with ``layers``).
       position: ``[B, T]`` int, absolute position of each new item.
+      items: the new items' payload, leaves ``[L, B, K, T, ...item]``, when they are
+        known already (another memory holds them); None reads no payload.
 
     Returns:
       ``(memories, placement)``: the memories with the items' slots filled in (payload
@@ -118,14 +120,17 @@ def place(
     """
     if not is_stacked(memories):
         validate.fail(f"memories must be stacked over layers [L, B, K, S], got valid of shape {memories.valid.shape}")
-    if memories.config.policy.init_evidence is not None:
-        validate.fail(f"place needs a policy whose new evidence does not read the payload; "
-                      f"{memories.config.policy.name} reads it: let flsmem.attend place each layer")
+    if items is None and memories.config.policy.init_evidence is not None:
+        validate.fail(f"place needs the items' payload (items=) for {memories.config.policy.name}, whose new "
+                      "evidence reads it; or let flsmem.attend place each layer")
     depth = memories.step.shape[0]
     t = jnp.shape(position)[-1]
     flat, unfold, unfold_state = fold_layers(memories)
-    # The payload is read for its shapes only: nothing computed from these zeros is kept.
-    items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
+    if items is None:
+        # The payload is read for its shapes only: nothing computed from these zeros is kept.
+        items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
+    else:
+        items = jax.tree.map(lambda x: jnp.reshape(x, (-1,) + jnp.shape(x)[2:]), items)
     flat, target = write_slots(flat, items, jnp.tile(jnp.asarray(position), (depth, 1)))
     seen = visible(flat, t)
     placed = unfold_state(flat.replace(payload=None)).replace(payload=memories.payload)

@@ -90,6 +90,27 @@ def test_compress_keeps_the_budget_in_every_layer():
     np.testing.assert_array_equal(two.position[0], one.position)
 
 
+def test_place_with_the_items_fills_in_what_writing_each_layer_does():
+    """Placing every layer at once, given the new items, leaves each layer's memory as
+    writing that layer's items does (every field but the payload, which place leaves
+    for the layers to write), for a policy whose new evidence reads the keys; without
+    the items place refuses such a policy and says why."""
+    config = flsmem.MemoryConfig(policy=P.key_norm(), budget=8, evict_every=4, max_chunk=6)
+    memories = flsmem.init_kv(config, 2, 2, 8, layers=3)
+    items = {name: jax.random.normal(jax.random.key(i), (3, 2, 2, 6, 8)) for i, name in enumerate(("k", "v"))}
+    position = jnp.tile(jnp.arange(6, dtype=jnp.int32)[None] + 10, (2, 1))
+    placed, (target, _) = flsmem.place(memories, position, items)
+    for layer in range(3):
+        one = jax.tree.map(lambda x: x[layer], memories)
+        written = flsmem.write(one, jax.tree.map(lambda x: x[layer], items), position)
+        got = jax.tree.map(lambda x: x[layer], placed)
+        assert jax.tree.all(jax.tree.map(np.array_equal, got.replace(payload=None), written.replace(payload=None)))
+        assert not np.array_equal(written.evidence[0], one.evidence[0])  # the key norms were written
+        np.testing.assert_array_equal(target[layer], jnp.broadcast_to(jnp.arange(6), (2, 2, 6)))
+    with pytest.raises(ValueError, match="items="):
+        flsmem.place(memories, position)
+
+
 def test_attend_rejects_bad_arguments():
     config = flsmem.MemoryConfig(policy=P.h2o(), budget=8)
     memory = flsmem.init_kv(config, 1, 2, 8)

@@ -12,7 +12,7 @@ from flax import nnx
 
 import flsmem
 from bench import (adaptive_weights, common, compile_time, evidence_layout, kernel, learned_flops, overhead,
-                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_surprise, step_trace)
+                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_share, ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -220,6 +220,14 @@ def test_prefill_chunk_writes_its_ratio_and_operations_and_the_report_shows_them
     assert "One prefill chunk against the plain forward" in text and f"`{row['operations'][0]['operation']}`" in text
     with pytest.raises(SystemExit):
         prefill_chunk.main(["--model", "tiny", "--slots", "20", "--chunk", "16"])
+
+
+def test_ruler_share_times_shared_and_separate_answers_and_the_report_shows_them(results, capsys):
+    ruler_share.main(["--model", "tiny", "--length", "512", "--policies", "h2o,streaming_llm", "--rounds", "1"])
+    record = json.loads((results / "ruler-share.json").read_text())
+    assert record["arms"] == [["h2o", 0.25], ["streaming_llm", 0.25]] and record["speedup"]["median"] > 0
+    assert "speed-up of sharing the prefill" in capsys.readouterr().out
+    assert "| tiny | 512 | question-agnostic | h2o 0.25, streaming_llm 0.25 | x" in report.build()
 
 
 def test_the_report_says_which_prefixes_a_stopped_memory_run_left_undone(results):

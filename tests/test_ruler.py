@@ -349,6 +349,35 @@ def test_shards_split_the_plans_jobs_between_them():
     assert jobs((0, 3), done=[first]) == parts[0][1:] and jobs((1, 3), done=[first]) == parts[1]
 
 
+def test_the_runner_shares_a_prefill_between_the_policies_and_budgets_of_a_sample(tmp_path, monkeypatch):
+    """Under a prefilling protocol every policy and budget of a sample is answered in
+    one call (one prefill); streaming and the full cache answer alone. The model and the
+    answering are stand-ins: only the wiring is tested."""
+    import types
+
+    from flsmem.harness.ruler import protocols, run
+    from flsmem.models.decoder import TINY
+
+    calls = []
+
+    def answers(model, configs, context, question, *, protocol, **kwargs):
+        calls.append((protocol, sorted((c.policy.name, c.budget) for c in configs)))
+        return ((i, [], {"evictions": 0}) for i in reversed(range(len(configs))))
+
+    monkeypatch.setattr(protocols, "answers", answers)
+    plan = run.Plan(model="tiny", lengths=(512,), tasks=("niah_single_1",), policies=("full", "h2o", "rmm"),
+                    budgets=(0.125, 0.25), protocols=("question-agnostic", "stream"), samples=2)
+    out = tmp_path / "r.jsonl"
+    assert run.run(plan, out, model=types.SimpleNamespace(cfg=TINY), tokenizer=ByteTokenizer(), progress=False) == 20
+    arms = [("h2o", 64), ("h2o", 128), ("rmm", 64), ("rmm", 128)]
+    shared = [c for c in calls if c[0] == "question-agnostic" and len(c[1]) > 1]
+    assert shared == [("question-agnostic", arms)] * 2
+    assert len(calls) == 2 + 2 + 8  # the full cache once a sample, then 2 shared prefills, then 8 streamed answers
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(collections.Counter((r["policy"], r["protocol"], r["budget"]) for r in rows).values()) == [2] * 10
+    assert run.run(plan, out, model=types.SimpleNamespace(cfg=TINY), tokenizer=ByteTokenizer(), progress=False) == 0
+
+
 def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
     """As in ``flsmem eval``: SmolLM2's learned policies use the estimator pretrained on
     its traces unless ``--estimator`` names another, and each row says which. The model
@@ -366,7 +395,8 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
         return make_policy("h2o", budget, lag, model=model)
 
     monkeypatch.setattr(evaluate, "make_policy", record)
-    monkeypatch.setattr(protocols, "answer", lambda *args, **kwargs: ([], {"evictions": 0}))
+    monkeypatch.setattr(protocols, "answers", lambda model, configs, *args, **kwargs: (
+        (i, [], {"evictions": 0}) for i in range(len(configs))))
     sample = tasks.make_sample("niah_single_1", 2048, 0, ByteTokenizer(), 0)
     plan = run.Plan(model="smollm2-135m", lengths=(2048,), tasks=("niah_single_1",), policies=("learned",),
                     budgets=(0.25,), protocols=("stream",), samples=1)
@@ -377,6 +407,71 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
         answered += answerer.rows("learned", sample, [("stream", 0.25)])
     assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR)]
     assert [row["estimator"] for row in answered] == ["estimator-smollm2", "estimator"]
+
+# A decoder of global layers only, and one with local (sliding-window) layers too.
+_GLOBAL = dict(vocab_size=64, width=32, depth=3, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=128)
+_LOCAL = dict(_GLOBAL, depth=4, kv_heads=1, qk_norm=True, post_norms=True, sliding_window=5, local_layers=(0, 2),
+              local_rope_theta=100.0, rope_theta=1e4)
+
+
+@pytest.mark.parametrize("shape, arms, groups", [
+    (_GLOBAL, [("h2o", 24), ("h2o", 40), ("snapkv", 24), ("key_norm", 24), ("expected_attention", 24),
+               ("oracle", 24)], [[0, 1, 2, 3, 5], [4]]),
+    # The local layers' windows are sized by the budget's schedule: budgets apart do not share.
+    (_LOCAL, [("h2o", 24), ("snapkv", 24), ("h2o", 40)], [[0, 1], [2]]),
+])
+def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, arms, groups, monkeypatch):
+    """One prefill folded into every policy's and budget's memory leaves each exactly
+    the memory (every array, the policy's state included) and the logits that a
+    prefill of its own leaves; and the answers after it are those of each alone.
+    ExpectedAttention, whose state folds the queries, prefills alone."""
+    import jax
+    from flax import nnx
+
+    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler import protocols
+    from flsmem.models.decoder import Decoder, DecoderConfig, init_memories
+
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 8)
+    model = Decoder(DecoderConfig(**shape), nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    # Whole pieces of 8 up to the answer: one program per policy and piece.
+    context, question = rng.integers(0, 64, 80).astype(np.int32), rng.integers(0, 64, 8).astype(np.int32)
+    prompt = np.concatenate([context, question])
+    configs = [protocols.memory_config(make_policy(name, budget, model=model.cfg), budget, "question-aware",
+                                       length=100, evict_every=8, max_new=4) for name, budget in arms]
+    oracle = [name == "oracle" for name, _ in arms]
+    table = protocols.answer_attention(model, context, question, rng.integers(0, 64, 3), evict_every=8,
+                                       width=104) if any(oracle) else None
+    tables = [table if is_oracle else None for is_oracle in oracle]
+    assert protocols._sharing(model.cfg, configs) == groups
+
+    graphdef, params = nnx.split(model)
+    for group in (g for g in groups if len(g) > 1):
+        alone = {i: protocols._prefill(graphdef, params, prompt, len(prompt), init_memories(model.cfg, configs[i], 1),
+                                       (), [tables[i]], 8) for i in group}
+        followers = tuple(init_memories(model.cfg, configs[i], 1).evictable.replace(payload=None) for i in group[1:])
+        lead, followed, logits = protocols._prefill(graphdef, params, prompt, len(prompt),
+                                                    init_memories(model.cfg, configs[group[0]], 1), followers,
+                                                    [tables[i] for i in group], 8)
+        assert jax.tree.all(jax.tree.map(np.array_equal, lead, alone[group[0]][0]))
+        np.testing.assert_array_equal(logits, alone[group[0]][2])
+        for i, follower in zip(group[1:], followed):
+            own = alone[i][0].evictable
+            assert jax.tree.all(jax.tree.map(np.array_equal, follower, own.replace(payload=None)))
+            assert jax.tree.all(jax.tree.map(np.array_equal, lead.evictable.payload, own.payload))
+            assert follower.config == own.config and follower.evidence  # the policy's own, not the lead's
+
+    if shape is _LOCAL:
+        return  # the answers below take the same path whatever the layers
+    # Then each answers with a memory of its own (the cut, decoding), as alone.
+    shared = {i: answer for i, *answer in protocols.answers(model, configs, context, question,
+                                                            protocol="question-aware", max_new=2, tables=tables)}
+    assert sorted(shared) == list(range(len(arms)))
+    for i, (config, table) in enumerate(zip(configs, tables)):
+        alone = protocols.answer(model, config, context, question, protocol="question-aware", max_new=2, table=table)
+        assert tuple(shared[i]) == alone, arms[i]
+
 
 BAD_ARGUMENTS = {
     "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),

@@ -17,6 +17,10 @@ question (token ids); the memory keeps ``budget`` items per global layer and KV 
   evicting whenever a row reaches ``budget + evict_every`` items, then the answer is
   decoded the same way (a long generation under a fixed budget).
 
+Under the prefilling protocols nothing is evicted before the cut, so the prefill is
+the same forward pass whatever the policy and budget: :func:`answers` runs it once for
+several memories and gives each the answer a run of its own gives.
+
 The correctness weight of each prediction is teacher-forced on the prompt (whether the
 argmax was the prompt's next token: the prompt is known when serving too) and, while
 decoding, the probability of the emitted token.
@@ -31,6 +35,7 @@ window protects them while new).
 from __future__ import annotations
 
 import functools
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +46,7 @@ import flsmem
 from flsmem import policies as P
 from flsmem.models.decoder import Decoder, init_memories
 
-__all__ = ["PROTOCOLS", "PREFILL_CHUNK", "memory_config", "answer", "answer_attention"]
+__all__ = ["PROTOCOLS", "PREFILL_CHUNK", "memory_config", "answer", "answers", "answer_attention"]
 
 PROTOCOLS = ("question-agnostic", "question-aware", "stream")
 # Tokens per prefill step: a step's attention is [layers, KV heads, chunk, slots], so
@@ -95,20 +100,128 @@ def answer(
       ``(tokens, info)``: the generated ids (without the end token) and
       ``{"evictions": items evicted over all layers and rows}``.
     """
+    ((_, tokens, info),) = answers(model, [config], context, question, protocol=protocol, max_new=max_new,
+                                   eos_id=eos_id, tables=[table])
+    return tokens, info
+
+
+def answers(
+    model: Decoder,
+    configs: list[flsmem.MemoryConfig],
+    context: np.ndarray,
+    question: np.ndarray,
+    *,
+    protocol: str,
+    max_new: int,
+    eos_id: int | None = None,
+    tables: list[np.ndarray | None] | None = None,
+) -> Iterator[tuple[int, list[int], dict]]:
+    """:func:`answer` under each of ``configs``, the prefill shared where it can be.
+
+    Under a prefilling protocol the prefill is the same forward pass whatever the
+    policy and budget: nothing is evicted before the cut, so every memory holds the
+    whole prefix and the model's attention does not depend on the policy. So the
+    configs whose memories have the same shapes and schedule share one: the first of
+    them runs the model, and each of the others writes the same items into its own
+    memory (:func:`flsmem.place` with the items) and folds the same attention as its
+    own evidence. Their answers equal those of separate runs exactly (the same
+    operations on the same arrays); only the prefill's time is spent once. Streaming
+    evicts from the first chunk on, so there each config runs alone.
+
+    Args:
+      configs: the memories' settings, each from :func:`memory_config` for ``protocol``.
+      tables: the oracle's table for each config (None for a policy without one), or
+        None for none at all.
+      Others as in :func:`answer`.
+
+    Yields:
+      ``(index, tokens, info)`` per config, ``index`` its place in ``configs``, group by
+      group (not in the order of ``configs``), each as soon as it is answered.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    tables = [None] * len(configs) if tables is None else [None if t is None else jnp.asarray(t) for t in tables]
+    if len(tables) != len(configs):
+        raise ValueError(f"tables must give one table (or None) per config: {len(configs)}, got {len(tables)}")
     prompt = np.concatenate([np.asarray(context), np.asarray(question)]).astype(np.int32)
-    table = None if table is None else jnp.asarray(table)
-    feed = functools.partial(_feed_pieces, *nnx.split(model), prompt, table)
-    memories = init_memories(model.cfg, config, 1)
+    graphdef, params = nnx.split(model)
     cut = {"question-agnostic": len(context), "question-aware": len(prompt), "stream": 0}[protocol]
-    step = config.evict_every
+
+    def finish(index, memories, logits):
+        feed = functools.partial(_feed_pieces, graphdef, params, prompt, tables[index])
+        step = configs[index].evict_every
+        if cut:
+            memories = _compress(memories)
+        memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
+        tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
+        return index, tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
+
+    if not cut:
+        for index, config in enumerate(configs):
+            yield finish(index, init_memories(model.cfg, config, 1), None)
+        return
+    for group in _sharing(model.cfg, configs):
+        lead, others = group[0], group[1:]
+        memories = init_memories(model.cfg, configs[lead], 1)
+        followers = tuple(init_memories(model.cfg, configs[i], 1).evictable.replace(payload=None) for i in others)
+        memories, followers, logits = _prefill(graphdef, params, prompt, cut, memories, followers,
+                                               [tables[i] for i in group], configs[lead].evict_every)
+        for index, follower in zip(others, followers):
+            # A memory of its own: each answer's steps update their memory in place.
+            payload = jax.tree.map(jnp.copy, memories.evictable.payload)
+            own = memories.replace(evictable=follower.replace(payload=payload),
+                                   windows=jax.tree.map(jnp.copy, memories.windows))
+            yield finish(index, own, logits)
+        yield finish(lead, memories, logits)
+
+
+def _sharing(cfg, configs) -> list[list[int]]:
+    """The configs grouped by what a shared prefill needs alike: the schedule and the
+    shapes of every memory (the global layers' slots, the local layers' windows). A
+    policy that folds the queries themselves (ExpectedAttention) cannot follow another
+    memory's prefill, which hands on attention only: it prefills alone."""
+    groups: dict = {}
+    for index, config in enumerate(configs):
+        shapes = jax.eval_shape(lambda c=config: init_memories(cfg, c, 1))
+        windows = None if shapes.windows is None else (shapes.windows.config, shapes.windows.valid.shape)
+        alone = index if config.policy.fold_queries is not None else None
+        groups.setdefault((config.evict_every, shapes.evictable.valid.shape, windows, alone), []).append(index)
+    return list(groups.values())
+
+
+def _prefill(graphdef, params, prompt, cut, memories, followers, tables, step):
+    """``prompt[:cut]`` through the model once, folded into ``memories`` and into each
+    follower (a global layers' memory without its payload); returns both and the
+    logits after the last token."""
     logits = None
-    if cut:
+    for begin, size in _pieces(0, cut, (max(PREFILL_CHUNK, step), step, 1)):
+        tokens = jnp.asarray(prompt[begin:begin + size])[None]
         # Before the question is known, the context's last prediction has no target.
-        memories, logits = feed(memories, 0, cut, (max(PREFILL_CHUNK, step), step, 1), "observe", known=cut)
-        memories = _compress(memories)
-    memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
-    tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
-    return tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
+        targets = jnp.asarray(_targets(prompt[:cut], begin, size))[None]
+        if not followers:
+            memories, logits = _feed(graphdef, params, memories, tokens, targets, begin, tables[0], fold="observe")
+            continue
+        memories, logits, attention, weight = _feed(graphdef, params, memories, tokens, targets, begin, tables[0],
+                                                    fold="observe", keep=True)
+        followers = _follow(memories.evictable, followers, attention, weight, begin, tuple(tables[1:]))
+    return memories, followers, logits
+
+
+@functools.partial(jax.jit, donate_argnames=("followers",))
+def _follow(lead, followers, attention, weight, start, tables):
+    """The lead's new items written into each follower and the chunk's attention
+    folded as its evidence (:func:`flsmem.observe_layers`)."""
+    queries = attention.shape[3]
+    positions = start + jnp.arange(queries, dtype=jnp.int32)[None, :]
+    # Where the lead put each new item: the slot holding its position (every item was written).
+    slot = jnp.argmax(lead.position[:, :, :, None, :] == positions[None, :, None, :, None], axis=-1)
+    items = jax.tree.map(lambda p: jnp.take_along_axis(p, slot[..., None], axis=3), lead.payload)
+    followed = []
+    for follower, table in zip(followers, tables):
+        placed, _ = flsmem.place(follower.replace(payload=lead.payload), positions, items)
+        placed = placed.replace(payload=None)
+        followed.append(flsmem.observe_layers(placed, attention, weight, _future(placed, table, queries)))
+    return tuple(followed)
 
 
 def _decode(feed, memories, logits, start: int, max_new: int, eos_id: int | None):
@@ -149,11 +262,9 @@ def _feed_pieces(graphdef, params, prompt, table, memories, start, stop, sizes, 
     Each prediction's target is the next token of ``prompt[:known]`` (all of it if
     None), and -1 (none) past it."""
     logits = None
-    seen = prompt[:known]
     for begin, size in _pieces(start, stop, sizes):
         if forced is None:
-            tokens = prompt[begin:begin + size]
-            targets = np.concatenate([seen[begin + 1:begin + size + 1], [-1] * size])[:size]
+            tokens, targets = prompt[begin:begin + size], _targets(prompt[:known], begin, size)
         else:
             tokens, targets = np.asarray(forced, np.int32), np.full(size, -1)
         memories, logits = _feed(graphdef, params, memories, jnp.asarray(tokens)[None], jnp.asarray(targets)[None],
@@ -161,10 +272,17 @@ def _feed_pieces(graphdef, params, prompt, table, memories, start, stop, sizes, 
     return memories, logits
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "fold"), donate_argnames=("memories",))
-def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold):
+def _targets(known: np.ndarray, begin: int, size: int) -> np.ndarray:
+    """What the predictions of ``size`` tokens from ``begin`` aim at: the next token of
+    ``known``, and -1 (none) past it."""
+    return np.concatenate([known[begin + 1:begin + size + 1], [-1] * size])[:size]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "fold", "keep"), donate_argnames=("memories",))
+def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold, keep=False):
     """One piece through the decoder, its attention folded as ``fold`` says: "observe"
-    (evidence only) or "update" (evicting when due)."""
+    (evidence only) or "update" (evicting when due). With ``keep`` it returns the
+    attention and the correctness weights too, for followers to fold."""
     model = nnx.merge(graphdef, params)
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, memories, attention = model(tokens, positions, memories)
@@ -173,6 +291,8 @@ def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold):
     weight = jnp.where(targets >= 0, hit, jnp.exp(jnp.max(logp, axis=-1)))
     future = _future(memories.evictable, table, tokens.shape[1])
     fold = memories.observe if fold == "observe" else memories.fold
+    if keep:
+        return fold(attention, weight, future), logits[:, -1], attention, weight
     return fold(attention, weight, future), logits[:, -1]
 
 

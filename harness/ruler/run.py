@@ -7,7 +7,11 @@ greedily up to the task's token limit; the answer is scored as RULER scores it
 (:mod:`.score`). The full cache never evicts, so its answer is the same under every
 protocol: it is computed once per sample and recorded for each protocol at budget 1,
 and a protocol added to a file that holds the full cache's answer under another one
-copies that answer rather than computing it again.
+copies that answer rather than computing it again. Under the prefilling protocols
+nothing is evicted before the cut, so the prefill is the same forward pass for every
+policy and budget: the runner answers those sample by sample, every policy and budget
+of a sample sharing one prefill (:func:`.protocols.answers`; the answers are those of
+separate runs), and streaming policy by policy.
 
 Each answer is appended at once as one JSON line to ``--out``; a run given the same
 file skips what it holds, so an interrupted run resumes where it stopped. ``--shard K/N``
@@ -168,18 +172,36 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
     if model is None:
         model, _ = catalog.load(plan.model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
-    last_policy = None
-    answerer = _Answerer(plan, model, tokenizer)
+    # The full cache and streaming run policy by policy; the prefilling protocols run
+    # sample by sample, every policy and budget of a sample sharing one prefill.
+    alone = [(policy, sample, [(p, b) for p, b in arms if policy == "full" or p == "stream"])
+             for policy, sample, arms in jobs]
+    together: dict[tuple, tuple[dict, list]] = {}
     for policy, sample, arms in jobs:
-        if policy != last_policy:
-            answerer.forget()
-            last_policy = policy
-        for row in answerer.rows(policy, sample, arms):
+        for protocol, budget in arms:
+            if policy != "full" and protocol != "stream":
+                key = (sample["task"], sample["length"], sample["index"], protocol)
+                together.setdefault(key, (sample, []))[1].append((policy, budget))
+    bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
+    answerer = _Answerer(plan, model, tokenizer)
+
+    def save(rows):
+        nonlocal written
+        for row in rows:
             _append(out, row)
             written += 1
-            bar.set_postfix_str(f"{policy} {sample['task']} {row['protocol']} {row['budget']:g}", refresh=False)
+            bar.set_postfix_str(f"{row['policy']} {row['task']} {row['protocol']} {row['budget']:g}", refresh=False)
             bar.update(1)
+
+    last_policy = None
+    for policy, sample, arms in alone:
+        if arms and policy != last_policy:
+            answerer.forget()
+            last_policy = policy
+        if arms:
+            save(answerer.rows(policy, sample, arms))
+    for (*_, protocol), (sample, arms) in together.items():
+        save(answerer.shared_rows(sample, protocol, arms))
     bar.close()
     return written
 
@@ -191,6 +213,7 @@ class _Answerer:
     def __init__(self, plan: Plan, model, tokenizer):
         self.plan, self.model, self.tokenizer = plan, model, tokenizer
         self.estimator = str(_estimator(plan))
+        self._table = (None, None)
 
     def forget(self) -> None:
         import jax
@@ -200,47 +223,70 @@ class _Answerer:
 
     def rows(self, policy: str, sample: dict, arms: list[tuple[str, float]]) -> Iterator[dict]:
         """A row per ``(protocol, budget)`` of ``arms``; the full cache answers once."""
-        ids = [np.asarray(self.tokenizer.encode(sample[part]), np.int32) for part in ("context", "question")]
-        if self.tokenizer.add_bos:  # Gemma: BOS first, one token past the sample's length
-            ids[0] = np.concatenate([[self.tokenizer.bos_id], ids[0]]).astype(np.int32)
+        ids = self._ids(sample)
         table = self._oracle_table(sample, ids) if policy == "oracle" else None
         shared = None
         for protocol, budget in arms:
             if policy == "full" and shared is not None:
                 yield {**shared, "protocol": protocol}
                 continue
-            row = self._answer(policy, sample, ids, protocol, budget, table)
+            row = next(self._answers(sample, ids, protocol, [(policy, budget)], [table]))
             shared = row
             yield row
 
-    def _answer(self, policy, sample, ids, protocol, budget, table) -> dict:
-        from flsmem.harness.ruler.protocols import answer
+    def shared_rows(self, sample: dict, protocol: str, arms: list[tuple[str, float]]) -> Iterator[dict]:
+        """A row per ``(policy, budget)`` of ``arms`` under a prefilling ``protocol``, one
+        prefill shared by all (:func:`~flsmem.harness.ruler.protocols.answers`)."""
+        ids = self._ids(sample)
+        tables = [self._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
+        yield from self._answers(sample, ids, protocol, arms, tables)
+
+    def _ids(self, sample: dict) -> list[np.ndarray]:
+        ids = [np.asarray(self.tokenizer.encode(sample[part]), np.int32) for part in ("context", "question")]
+        if self.tokenizer.add_bos:  # Gemma: BOS first, one token past the sample's length
+            ids[0] = np.concatenate([[self.tokenizer.bos_id], ids[0]]).astype(np.int32)
+        return ids
+
+    def _answers(self, sample, ids, protocol, arms, tables) -> Iterator[dict]:
+        """A row per ``(policy, budget)`` of ``arms``, in the order answered. An answer's
+        seconds run from the previous one's end, so the first of a shared prefill
+        carries the prefill's time."""
+        from flsmem.harness.ruler.protocols import answers
         from flsmem.harness.ruler.score import score
 
         plan, length = self.plan, sample["length"]
-        tokens = _budget_tokens(budget, length)
-        config = _config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg, self.estimator)
+        budgets = [_budget_tokens(budget, length) for _, budget in arms]
+        configs = [_config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg, self.estimator)
+                   for (policy, _), tokens in zip(arms, budgets)]
         begin = time.perf_counter()
-        generated, info = answer(self.model, config, *ids, protocol=protocol, max_new=sample["max_new_tokens"],
-                                 eos_id=self.tokenizer.eos_id, table=table)
-        prediction = self.tokenizer.decode(np.asarray(generated, np.int32))
-        return {
-            "model": plan.model, **{k: sample[k] for k in ("task", "length", "index", "seed")},
-            "policy": policy, "protocol": protocol, "budget": budget, "evict_every": plan.evict_every,
-            "budget_tokens": tokens if policy != "full" else None, "prompt_tokens": sum(len(i) for i in ids),
-            "prediction": prediction, "answers": sample["answers"],
-            "score": score(sample["task"], prediction, sample["answers"]),
-            "generated_tokens": len(generated), "evictions": info["evictions"],
-            "seconds": round(time.perf_counter() - begin, 3),
-            **({"estimator": Path(self.estimator).name} if "learned" in policy else {}),
-        }
+        for index, generated, info in answers(self.model, configs, *ids, protocol=protocol,
+                                              max_new=sample["max_new_tokens"], eos_id=self.tokenizer.eos_id,
+                                              tables=tables):
+            (policy, budget), tokens = arms[index], budgets[index]
+            prediction = self.tokenizer.decode(np.asarray(generated, np.int32))
+            now = time.perf_counter()
+            yield {
+                "model": plan.model, **{k: sample[k] for k in ("task", "length", "index", "seed")},
+                "policy": policy, "protocol": protocol, "budget": budget, "evict_every": plan.evict_every,
+                "budget_tokens": tokens if policy != "full" else None, "prompt_tokens": sum(len(i) for i in ids),
+                "prediction": prediction, "answers": sample["answers"],
+                "score": score(sample["task"], prediction, sample["answers"]),
+                "generated_tokens": len(generated), "evictions": info["evictions"],
+                "seconds": round(now - begin, 3),
+                **({"estimator": Path(self.estimator).name} if "learned" in policy else {}),
+            }
+            begin = now
 
     def _oracle_table(self, sample, ids) -> np.ndarray:
+        """The oracle's table of ``sample`` (the last one is kept: every arm of a sample asks)."""
         from flsmem.harness.ruler.protocols import answer_attention
 
-        gold = np.asarray(self.tokenizer.encode(" " + ", ".join(sample["answers"]) + "."), np.int32)
-        return answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
-                                width=sample["length"] + 1 + MAX_NEW)
+        key = (sample["task"], sample["length"], sample["index"], sample["seed"])
+        if self._table[0] != key:
+            gold = np.asarray(self.tokenizer.encode(" " + ", ".join(sample["answers"]) + "."), np.int32)
+            self._table = (key, answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
+                                                 width=sample["length"] + 1 + MAX_NEW))
+        return self._table[1]
 
 
 def _budget_tokens(fraction: float, length: int) -> int:

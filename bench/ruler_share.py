@@ -1,0 +1,93 @@
+"""What one shared prefill saves ``flsmem ruler``: a sample's policies and budgets
+answered together against the same answers one by one.
+
+Under the prefilling protocols every policy and budget of a sample shares one prefill
+(:func:`flsmem.harness.ruler.protocols.answers`). For RULER samples this times, in
+each round, the answers of every ``(policy, budget)`` arm given at once against the
+same arms answered alone (:func:`~flsmem.harness.ruler.protocols.answer`), back to
+back in alternating order after a warm-up that compiles both, and checks that every
+arm's answer is the same both ways. The figure is the ratio of the two times in each
+round (never a bare time); a round is one sample.
+
+    python -m bench.ruler_share --cores 1                 # SmolLM2, 1,024 tokens
+    python -m bench.ruler_share --cores 1 --length 4096 --rounds 2 --out ruler-share-4k
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from bench.common import add_timing_options, save, set_timing, summarise
+from flsmem.harness.arguments import make_parser
+
+POLICIES = "h2o,streaming_llm,snapkv,rmm,tova,oracle"
+
+
+def main(argv=None):
+    parser = make_parser("python -m bench.ruler_share", __doc__)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--policies", default=POLICIES, help="comma-separated")
+    parser.add_argument("--budgets", default="1/4", help="fractions of the length, comma-separated")
+    parser.add_argument("--protocol", default="question-agnostic", choices=("question-agnostic", "question-aware"))
+    parser.add_argument("--rounds", type=int, default=3, help="samples timed, each a round (after one warm-up)")
+    parser.add_argument("--out", default="ruler-share", help="results/bench/<out>.json")
+    add_timing_options(parser)
+    args = parser.parse_args(argv)
+    set_timing(args)
+
+    from fractions import Fraction
+
+    from flsmem.harness.ruler.protocols import answer, answers
+    from flsmem.harness.ruler.run import MAX_NEW, Plan, _Answerer, _budget_tokens, _config
+    from flsmem.harness.ruler.tasks import make_sample
+    from flsmem.models import catalog
+
+    model, tokenizer = catalog.load(args.model)
+    arms = [(policy, float(Fraction(budget))) for policy in args.policies.split(",")
+            for budget in args.budgets.split(",")]
+    plan = Plan(model=args.model, lengths=(args.length,), tasks=(args.task,), policies=(), budgets=(),
+                protocols=(args.protocol,), samples=args.rounds + 1)
+    helper = _Answerer(plan, model, tokenizer)
+    configs = [_config(policy, _budget_tokens(budget, args.length), args.protocol, args.length + 1, 16, model.cfg,
+                       helper.estimator) for policy, budget in arms]
+    rounds = []
+    for index in range(args.rounds + 1):
+        sample = make_sample(args.task, args.length, index, tokenizer, 0)
+        ids = helper._ids(sample)
+        tables = [helper._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
+        kwargs = dict(protocol=args.protocol, max_new=sample["max_new_tokens"], eos_id=tokenizer.eos_id)
+        def shared_run():
+            return {i: (tokens, info) for i, tokens, info in answers(model, configs, *ids, tables=tables, **kwargs)}
+
+        def separate_run():
+            return [answer(model, config, *ids, table=table, **kwargs) for config, table in zip(configs, tables)]
+
+        # Alternated, so that neither way always runs second (warmer caches, a quieter machine).
+        order = ("shared", "separate") if index % 2 else ("separate", "shared")
+        seconds, found = {}, {}
+        for way in order:
+            begin = time.perf_counter()
+            found[way] = (shared_run if way == "shared" else separate_run)()
+            seconds[way] = time.perf_counter() - begin
+        together, alone, shared, separate = found["shared"], found["separate"], seconds["shared"], seconds["separate"]
+        different = [arms[i] for i in range(len(arms)) if together[i] != alone[i]]
+        if different:
+            raise SystemExit(f"sample {index}: the shared prefill changed the answers of {different}")
+        label = "warm-up (compiles)" if index == 0 else f"round {index}"
+        print(f"{label}: {len(arms)} arms alone {separate:.1f} s, sharing one prefill {shared:.1f} s: "
+              f"x{separate / shared:.2f}", flush=True)
+        if index:
+            rounds.append(separate / shared)
+    summary = summarise(rounds)
+    print(f"speed-up of sharing the prefill: x{summary['median']:.2f} "
+          f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f})")
+    save(args.out, {"model": args.model, "length": args.length, "task": args.task, "protocol": args.protocol,
+                    "arms": [list(arm) for arm in arms], "max_new": MAX_NEW, "speedup": summary})
+
+
+if __name__ == "__main__":
+    main()
