@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every benchmark behind results/BENCHMARKS.md, one after another (they would slow
-# each other down), then the report. About an hour on a 2-core CPU.
+# each other down), then the report. About an hour on a 2-core CPU, and 35 minutes more
+# for the two RULER sharing figures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}

@@ -73,7 +73,8 @@ class Plan:
         ``model`` (:func:`flsmem.harness.evaluate.estimator_for`), as ``flsmem eval`` does.
       shard: ``(K, N)``: answer the jobs (a policy and a sample) whose place in the plan's
         order is K modulo N; the place counts the jobs already answered too, so a shard
-        resumes the same jobs.
+        resumes the same jobs. A prefill is shared by the policies of a sample that
+        one shard answers.
     """
 
     model: str
