@@ -130,6 +130,12 @@ def place(
         # The payload is read for its shapes only: nothing computed from these zeros is kept.
         items = jax.tree.map(lambda p: jnp.zeros(p.shape[:2] + (t,) + p.shape[3:], p.dtype), flat.payload)
     else:
+        expected = jax.tree.map(lambda p: p.shape[:3] + (t,) + p.shape[4:], memories.payload)
+        got = jax.tree.map(validate.shape, items) if jax.tree.structure(items) == jax.tree.structure(
+            memories.payload) else None
+        if got != expected:
+            validate.fail(f"items must be the new items' payload, leaves [L, B, K, T, ...item] = {expected}, "
+                          f"got {jax.tree.map(validate.shape, items)}")
         items = jax.tree.map(lambda x: jnp.reshape(x, (-1,) + jnp.shape(x)[2:]), items)
     flat, target = write_slots(flat, items, jnp.tile(jnp.asarray(position), (depth, 1)))
     seen = visible(flat, t)

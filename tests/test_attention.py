@@ -109,6 +109,8 @@ def test_place_with_the_items_fills_in_what_writing_each_layer_does():
         np.testing.assert_array_equal(target[layer], jnp.broadcast_to(jnp.arange(6), (2, 2, 6)))
     with pytest.raises(ValueError, match="items="):
         flsmem.place(memories, position)
+    with pytest.raises(ValueError, match=r"items must be .* \[L, B, K, T, \.\.\.item\]"):
+        flsmem.place(memories, position, {"k": items["k"][:, :, :, :, :4], "v": items["v"]})
 
 
 def test_attend_rejects_bad_arguments():
