@@ -416,7 +416,8 @@ _LOCAL = dict(_GLOBAL, depth=4, kv_heads=1, qk_norm=True, post_norms=True, slidi
 
 @pytest.mark.parametrize("shape, arms, groups", [
     (_GLOBAL, [("h2o", 24), ("h2o", 40), ("snapkv", 24), ("key_norm", 24), ("expected_attention", 24),
-               ("oracle", 24)], [[0, 1, 2, 3, 5], [4]]),
+               ("oracle", 24), ("rmm", 24), ("tova", 24), ("adaptive", 24), ("surprise_reserve", 24),
+               ("streaming_llm", 24)], [[0, 1, 2, 3, 5, 6, 7, 8, 9, 10], [4]]),
     # The local layers' windows are sized by the budget's schedule: budgets apart do not share.
     (_LOCAL, [("h2o", 24), ("snapkv", 24), ("h2o", 40)], [[0, 1], [2]]),
 ])
