@@ -301,21 +301,24 @@ def summary(state: MemoryState) -> dict[str, Array]:
     }
 
 
-def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "heads") -> PyTree:
-    """Which axes of each leaf of the policy's own state (``state.aux``) are batch rows
-    and which are KV heads, as a ``PartitionSpec`` per leaf: ``batch_axis`` and
-    ``head_axis`` where they are, None elsewhere. Found by asking ``init_aux`` for a
+def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "heads", slot_axis: Any = None
+             ) -> PyTree:
+    """Which axes of each leaf of the policy's own state (``state.aux``) are batch rows,
+    KV heads and slots, as a ``PartitionSpec`` per leaf: ``batch_axis``, ``head_axis``
+    and ``slot_axis`` where they are, None elsewhere. Found by asking ``init_aux`` for a
     memory of another size and seeing which axes grow; an entry shared by every row
     (the learned estimator's parameters) grows on none. None when the policy keeps no
     state. Sharding splits the state by it; :func:`flsmem.update_layers` folds layers
-    into rows when every entry has its rows first or is shared."""
+    into rows when every entry has its rows first or is shared; :func:`flsmem.resize`
+    moves the entries kept per slot with their items."""
     if not isinstance(state, MemoryState):
         raise TypeError(f"state must be a MemoryState (from flsmem.init), got {type(state).__name__}")
     if state.aux is None:
         return None
     policy = state.config.policy
     b, k, s = state.valid.shape[-3:]
-    grown = jax.eval_shape(lambda: policy.init_aux(policy, b + 1, k + 2, s))
+    # Each axis grows by its own amount, so no two can be taken for each other.
+    grown = jax.eval_shape(lambda: policy.init_aux(policy, b + 1, k + 2, s + 3))
 
     def spec(leaf, other):
         axes = []
@@ -324,6 +327,8 @@ def aux_axes(state: MemoryState, batch_axis: Any = "batch", head_axis: Any = "he
                 axes.append(batch_axis)
             elif (n, m) == (k, k + 2) and head_axis not in axes:
                 axes.append(head_axis)
+            elif (n, m) == (s, s + 3):
+                axes.append(slot_axis)
             else:
                 axes.append(None)
         return PartitionSpec(*axes)
