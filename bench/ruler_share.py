@@ -21,50 +21,28 @@ import numpy as np
 
 from bench.common import add_timing_options, save, set_timing, summarise
 from flsmem.harness.arguments import make_parser
+from flsmem.harness.ruler import protocols
+from flsmem.harness.ruler.run import MAX_NEW
 
 POLICIES = "h2o,streaming_llm,snapkv,rmm,tova,oracle"
 
 
 def main(argv=None):
     parser = make_parser("python -m bench.ruler_share", __doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--task", default="niah_single_2")
-    parser.add_argument("--policies", default=POLICIES, help="comma-separated")
-    parser.add_argument("--budgets", default="1/4", help="fractions of the length, comma-separated")
-    parser.add_argument("--protocol", default="question-agnostic", choices=("question-agnostic", "question-aware"))
-    parser.add_argument("--rounds", type=int, default=3, help="samples timed, each a round (after one warm-up)")
-    parser.add_argument("--out", default="ruler-share", help="results/bench/<out>.json")
-    add_timing_options(parser)
+    add_options(parser, "ruler-share")
     args = parser.parse_args(argv)
     set_timing(args)
 
-    from fractions import Fraction
-
-    from flsmem.harness.ruler.protocols import answer, answers
-    from flsmem.harness.ruler.run import MAX_NEW, Plan, _Answerer, _budget_tokens, _config
-    from flsmem.harness.ruler.tasks import make_sample
-    from flsmem.models import catalog
-
-    model, tokenizer = catalog.load(args.model)
-    arms = [(policy, float(Fraction(budget))) for policy in args.policies.split(",")
-            for budget in args.budgets.split(",")]
-    plan = Plan(model=args.model, lengths=(args.length,), tasks=(args.task,), policies=(), budgets=(),
-                protocols=(args.protocol,), samples=args.rounds + 1)
-    helper = _Answerer(plan, model, tokenizer)
-    configs = [_config(policy, _budget_tokens(budget, args.length), args.protocol, args.length + 1, 16, model.cfg,
-                       helper.estimator) for policy, budget in arms]
+    model, arms, configs, samples = prepare(args)
     rounds = []
-    for index in range(args.rounds + 1):
-        sample = make_sample(args.task, args.length, index, tokenizer, 0)
-        ids = helper._ids(sample)
-        tables = [helper._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
-        kwargs = dict(protocol=args.protocol, max_new=sample["max_new_tokens"], eos_id=tokenizer.eos_id)
+    for index, ids, tables, kwargs in samples:
         def shared_run():
-            return {i: (tokens, info) for i, tokens, info in answers(model, configs, *ids, tables=tables, **kwargs)}
+            return {i: (tokens, info) for i, tokens, info in protocols.answers(model, configs, *ids, tables=tables,
+                                                                               **kwargs)}
 
         def separate_run():
-            return [answer(model, config, *ids, table=table, **kwargs) for config, table in zip(configs, tables)]
+            return [protocols.answer(model, config, *ids, table=table, **kwargs)
+                    for config, table in zip(configs, tables)]
 
         # Alternated, so that neither way always runs second (warmer caches, a quieter machine).
         order = ("shared", "separate") if index % 2 else ("separate", "shared")
@@ -87,6 +65,49 @@ def main(argv=None):
           f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f})")
     save(args.out, {"model": args.model, "length": args.length, "task": args.task, "protocol": args.protocol,
                     "arms": [list(arm) for arm in arms], "max_new": MAX_NEW, "speedup": summary})
+
+
+def add_options(parser, out: str) -> None:
+    """The options of the RULER timings: what to answer, how often, where to write."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--policies", default=POLICIES, help="comma-separated")
+    parser.add_argument("--budgets", default="1/4", help="fractions of the length, comma-separated")
+    parser.add_argument("--protocol", default="question-agnostic", choices=("question-agnostic", "question-aware"))
+    parser.add_argument("--rounds", type=int, default=3, help="samples timed, each a round (after one warm-up)")
+    parser.add_argument("--out", default=out, help="results/bench/<out>.json")
+    add_timing_options(parser)
+
+
+def prepare(args):
+    """``(model, arms, configs, samples)``: the model, the ``(policy, budget)`` arms and
+    their memory settings, and per round (the warm-up first) ``(index, (context,
+    question), oracle tables, keyword arguments of answer)``."""
+    from fractions import Fraction
+
+    from flsmem.harness.ruler.run import Plan, _Answerer, _budget_tokens, _config
+    from flsmem.harness.ruler.tasks import make_sample
+    from flsmem.models import catalog
+
+    model, tokenizer = catalog.load(args.model)
+    arms = [(policy, float(Fraction(budget))) for policy in args.policies.split(",")
+            for budget in args.budgets.split(",")]
+    plan = Plan(model=args.model, lengths=(args.length,), tasks=(args.task,), policies=(), budgets=(),
+                protocols=(args.protocol,), samples=args.rounds + 1)
+    helper = _Answerer(plan, model, tokenizer)
+    configs = [_config(policy, _budget_tokens(budget, args.length), args.protocol, args.length + 1, 16, model.cfg,
+                       helper.estimator) for policy, budget in arms]
+
+    def samples():
+        for index in range(args.rounds + 1):
+            sample = make_sample(args.task, args.length, index, tokenizer, 0)
+            ids = helper._ids(sample)
+            tables = [helper._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
+            yield index, ids, tables, dict(protocol=args.protocol, max_new=sample["max_new_tokens"],
+                                           eos_id=tokenizer.eos_id)
+
+    return model, arms, configs, samples()
 
 
 if __name__ == "__main__":

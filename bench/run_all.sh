@@ -30,9 +30,12 @@ $python -m bench.longctx --batch 1,8
 $python -m bench.prefill_memory
 # One prefill chunk against the plain forward; how its "before" rows were made: bench/NOTES.md.
 $python -m bench.prefill_chunk --rounds 3
-# RULER's prefilling protocols: one prefill for a sample's policies and budgets, against one each.
+# RULER's prefilling protocols: one prefill for a sample's policies and budgets, against one each;
+# then the cut memory resized for the question and answer, against the prompt's slots.
 $python -m bench.ruler_share --cores 1
 $python -m bench.ruler_share --cores 1 --length 4096 --rounds 2 --out ruler-share-4k
+$python -m bench.ruler_resize --cores 1
+$python -m bench.ruler_resize --cores 1 --length 4096 --rounds 2 --out ruler-resize-4k
 $python -m bench.pyref --cores 1
 $python -m bench.step_trace --cores 1
 # What a fold of several evidence columns pays for their layout (the Kalman filter's).

@@ -12,7 +12,8 @@ from flax import nnx
 
 import flsmem
 from bench import (adaptive_weights, common, compile_time, evidence_layout, kernel, learned_flops, overhead,
-                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_share, ruler_surprise, step_trace)
+                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_resize, ruler_share, ruler_surprise,
+                   step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -228,6 +229,15 @@ def test_ruler_share_times_shared_and_separate_answers_and_the_report_shows_them
     assert record["arms"] == [["h2o", 0.25], ["streaming_llm", 0.25]] and record["speedup"]["median"] > 0
     assert "speed-up of sharing the prefill" in capsys.readouterr().out
     assert "| tiny | 512 | question-agnostic | h2o 0.25, streaming_llm 0.25 | x" in report.build()
+
+
+def test_ruler_resize_times_the_cut_memory_both_ways_and_the_report_shows_them(results, capsys):
+    ruler_resize.main(["--model", "tiny", "--length", "512", "--policies", "h2o,snapkv", "--rounds", "1"])
+    record = json.loads((results / "ruler-resize.json").read_text())
+    assert record["arms"] == [["h2o", 0.25], ["snapkv", 0.25]] and record["speedup"]["median"] > 0
+    assert record["answers"] == 4 and 0 <= record["answers_differing"] <= 4
+    assert "speed-up of resizing the cut memory" in capsys.readouterr().out
+    assert "| tiny | 512 | question-agnostic | h2o 0.25, snapkv 0.25 | x" in report.build()
 
 
 def test_the_report_says_which_prefixes_a_stopped_memory_run_left_undone(results):

@@ -474,6 +474,35 @@ def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, a
         assert tuple(shared[i]) == alone, arms[i]
 
 
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "learned"])
+def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, monkeypatch):
+    """After the cut the global layers' items move into the slots that the question's
+    pieces and the answer need (flsmem.resize), 39 where the prompt needed 100; the
+    answer and the evictions are those of the memory sized for the prompt."""
+    from flax import nnx
+
+    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler import protocols
+    from flsmem.models.decoder import Decoder, DecoderConfig
+
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 8)
+    model = Decoder(DecoderConfig(**_GLOBAL), nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    context, question = rng.integers(0, 64, 80).astype(np.int32), rng.integers(0, 64, 8).astype(np.int32)
+    config = protocols.memory_config(make_policy(name, 24, model=model.cfg), 24, "question-agnostic", length=100,
+                                     evict_every=8, max_new=12)
+    slots = []
+    resize = protocols._resize_evictable
+    monkeypatch.setattr(protocols, "_resize_evictable", lambda memory, max_chunk: slots.append(
+        (memory.valid.shape[-1], max_chunk)) or resize(memory, max_chunk))
+    kwargs = dict(protocol="question-agnostic", max_new=12)
+    resized = protocols.answer(model, config, context, question, **kwargs)
+    assert slots == [(config.capacity, 8)] and config.replace(max_chunk=8).capacity == 39 and config.capacity == 100
+    monkeypatch.setattr(protocols, "_resize", lambda memories, step: memories)
+    assert resized == protocols.answer(model, config, context, question, **kwargs)
+    assert len(resized[0]) == 12 and resized[1]["evictions"] > 0
+
+
 BAD_ARGUMENTS = {
     "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),
     "unknown policy": (["--policies", "h2o,lru"], "--policies"),

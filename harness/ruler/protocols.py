@@ -7,9 +7,10 @@ question (token ids); the memory keeps ``budget`` items per global layer and KV 
 
 * ``question-agnostic``: the context is prefilled with the whole of it in memory, its
   attention folded as evidence (``flsmem.observe``, chunk by chunk) and the memory cut
-  to the budget at once (``flsmem.compress``), before the question is known; then the
-  question's tokens are fed and the answer decoded, evicting every ``evict_every``
-  items as they arrive (``flsmem.update_layers``);
+  to the budget at once (``flsmem.compress``) and moved into the slots the rest needs
+  (``flsmem.resize``), before the question is known; then the question's tokens are
+  fed and the answer decoded, evicting every ``evict_every`` items as they arrive
+  (``flsmem.update_layers``);
 * ``question-aware``: the same with the question inside the prefill, so the cut sees
   the question's attention (SnapKV's setting); then the answer is decoded, evicting
   as it goes;
@@ -151,7 +152,7 @@ def answers(
         feed = functools.partial(_feed_pieces, graphdef, params, prompt, tables[index])
         step = configs[index].evict_every
         if cut:
-            memories = _compress(memories)
+            memories = _resize(_compress(memories), step)
         memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
         tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
         return index, tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
@@ -243,6 +244,20 @@ def _compress(memories):
     """``flsmem.compress`` of memories whose prefill is folded already: no more
     queries, so it commits the scores and cuts every row to the budget."""
     return memories.compress(budget=memories.evictable.config.budget)
+
+
+def _resize(memories, step: int):
+    """The cut global layers moved into the slots that the rest needs (pieces of
+    ``step`` tokens), not the prompt's (:func:`flsmem.resize`): each later step attends
+    over the budget. A layer cut above the budget (a layer schedule) keeps room for
+    what it holds."""
+    evictable = memories.evictable
+    held = int(jnp.max(jnp.sum(evictable.valid, axis=-1)))
+    chunk = step + max(0, held - evictable.config.head_share)
+    return memories.replace(evictable=_resize_evictable(evictable, chunk))
+
+
+_resize_evictable = jax.jit(flsmem.resize, static_argnames=("max_chunk",), donate_argnums=0)
 
 
 def _pieces(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
