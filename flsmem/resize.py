@@ -2,12 +2,12 @@
 
 A memory's slots are its budget plus room for what may arrive before the next eviction,
 a chunk of up to ``max_chunk`` items among it (:attr:`MemoryConfig.capacity`). A prompt
-prefilled in one piece and then cut to its budget (:func:`flsmem.compress`) needed
-room for the whole prompt, and that room stays in every later step: a decode step
-attends over every slot. :func:`resize` moves the items into a memory sized for the
-chunks still to come, one token at a time while decoding, so that a prompt compressed
-from 32,768 tokens to 512 is decoded in 512 slots and a few more, not 33,000.
-"""
+prefilled with the whole of it in memory and then cut to its budget
+(:func:`flsmem.compress`) needed room for the whole prompt, and that room stays in
+every later step: a decode step attends over every slot. :func:`resize` moves the
+items into a memory sized for the chunks still to come (one token at a time while
+decoding), so that a prompt of 32,768 tokens compressed to 512 is decoded in 512 slots
+and one eviction period, not in the prompt's 32,768."""
 
 from __future__ import annotations
 

@@ -474,11 +474,13 @@ def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, a
         assert tuple(shared[i]) == alone, arms[i]
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "learned"])
-def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, monkeypatch):
-    """After the cut the global layers' items move into the slots that the question's
-    pieces and the answer need (flsmem.resize), 39 where the prompt needed 100; the
-    answer and the evictions are those of the memory sized for the prompt."""
+@pytest.mark.parametrize("name, shape", [("h2o", _GLOBAL), ("snapkv", _GLOBAL), ("learned", _GLOBAL),
+                                         ("h2o", _LOCAL)])
+def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, shape, monkeypatch):
+    """After the cut the items move into the slots that the question's pieces and the
+    answer need (flsmem.resize): the global layers' 39 where the prompt needed 100, and
+    the local layers' windows theirs; the answer and the evictions are those of the
+    memories sized for the prompt."""
     from flax import nnx
 
     from flsmem.harness.evaluate import make_policy
@@ -486,18 +488,20 @@ def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, mon
     from flsmem.models.decoder import Decoder, DecoderConfig
 
     monkeypatch.setattr(protocols, "PREFILL_CHUNK", 8)
-    model = Decoder(DecoderConfig(**_GLOBAL), nnx.Rngs(0))
+    model = Decoder(DecoderConfig(**shape), nnx.Rngs(0))
     rng = np.random.default_rng(1)
     context, question = rng.integers(0, 64, 80).astype(np.int32), rng.integers(0, 64, 8).astype(np.int32)
     config = protocols.memory_config(make_policy(name, 24, model=model.cfg), 24, "question-agnostic", length=100,
                                      evict_every=8, max_new=12)
     slots = []
-    resize = protocols._resize_evictable
-    monkeypatch.setattr(protocols, "_resize_evictable", lambda memory, max_chunk: slots.append(
-        (memory.valid.shape[-1], max_chunk)) or resize(memory, max_chunk))
+    resize = protocols._resize_memory
+    monkeypatch.setattr(protocols, "_resize_memory", lambda memory, max_chunk: slots.append(
+        (memory.config.policy.name, memory.valid.shape[-1], max_chunk)) or resize(memory, max_chunk))
     kwargs = dict(protocol="question-agnostic", max_new=12)
     resized = protocols.answer(model, config, context, question, **kwargs)
-    assert slots == [(config.capacity, 8)] and config.replace(max_chunk=8).capacity == 39 and config.capacity == 100
+    assert slots[0] == (name, 100, 8) and config.replace(max_chunk=8).capacity == 39
+    if shape is _LOCAL:  # the windows (5 slots and what may arrive) as well
+        assert slots[1][:2] == ("window", 5 + 8 + config.max_chunk - 1) and len(slots) == 2
     monkeypatch.setattr(protocols, "_resize", lambda memories, step: memories)
     assert resized == protocols.answer(model, config, context, question, **kwargs)
     assert len(resized[0]) == 12 and resized[1]["evictions"] > 0

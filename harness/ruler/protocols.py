@@ -7,8 +7,8 @@ question (token ids); the memory keeps ``budget`` items per global layer and KV 
 
 * ``question-agnostic``: the context is prefilled with the whole of it in memory, its
   attention folded as evidence (``flsmem.observe``, chunk by chunk) and the memory cut
-  to the budget at once (``flsmem.compress``) and moved into the slots the rest needs
-  (``flsmem.resize``), before the question is known; then the question's tokens are
+  to the budget at once (``flsmem.compress``) and every memory moved into the slots
+  the rest needs (``flsmem.resize``), before the question is known; then the question's tokens are
   fed and the answer decoded, evicting every ``evict_every`` items as they arrive
   (``flsmem.update_layers``);
 * ``question-aware``: the same with the question inside the prefill, so the cut sees
@@ -247,17 +247,19 @@ def _compress(memories):
 
 
 def _resize(memories, step: int):
-    """The cut global layers moved into the slots that the rest needs (pieces of
-    ``step`` tokens), not the prompt's (:func:`flsmem.resize`): each later step attends
-    over the budget. A layer cut above the budget (a layer schedule) keeps room for
-    what it holds."""
-    evictable = memories.evictable
-    held = int(jnp.max(jnp.sum(evictable.valid, axis=-1)))
-    chunk = step + max(0, held - evictable.config.head_share)
-    return memories.replace(evictable=_resize_evictable(evictable, chunk))
+    """The cut memories moved into the slots that the rest needs (pieces of ``step``
+    tokens), not the prompt's (:func:`flsmem.resize`): each later step attends over the
+    budget, and a local layer over its window. A memory holding more than its budget
+    (a layer schedule; a window not yet due for eviction) keeps room for what it holds."""
+    def one(memory):
+        held = int(jnp.max(jnp.sum(memory.valid, axis=-1)))
+        return _resize_memory(memory, step + max(0, held - memory.config.head_share))
+
+    return memories.replace(evictable=one(memories.evictable),
+                            windows=None if memories.windows is None else one(memories.windows))
 
 
-_resize_evictable = jax.jit(flsmem.resize, static_argnames=("max_chunk",), donate_argnums=0)
+_resize_memory = jax.jit(flsmem.resize, static_argnames=("max_chunk",), donate_argnums=0)
 
 
 def _pieces(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
