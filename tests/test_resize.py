@@ -46,13 +46,18 @@ def test_resize_packs_the_items_in_their_order_and_frees_the_rest():
 
 
 def test_resize_refuses_a_row_that_does_not_fit():
-    """Outside jit a row with more items than the new slots is refused, naming max_chunk."""
+    """Outside jit a row with more items than the new slots is refused, naming max_chunk;
+    so are a chunk size below 1 and what is not a memory."""
     config = flsmem.MemoryConfig(policy=P.h2o(), budget=4, evict_every=1, max_chunk=6)
     memory = flsmem.init(config, 1, 1, ())
     memory = memory.replace(valid=memory.valid.at[0, 0, :7].set(True))
     with pytest.raises(ValueError, match=r"max_chunk: a row holds 7 items, more than the 5 slots"):
         flsmem.resize(memory)
     assert flsmem.resize(memory, 3).slots == 7
+    with pytest.raises(ValueError, match="max_chunk must be an int >= 1, got 0"):
+        flsmem.resize(memory, 0)
+    with pytest.raises(ValueError, match="memory must be a flsmem.MemoryState"):
+        flsmem.resize(memory.valid)
 
 
 POLICIES = {
