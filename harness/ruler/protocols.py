@@ -259,7 +259,8 @@ def _resize(memories, step: int):
                             windows=None if memories.windows is None else one(memories.windows))
 
 
-_resize_memory = jax.jit(flsmem.resize, static_argnames=("max_chunk",), donate_argnums=0)
+# Not donated: the memory it returns has other shapes, so it cannot take the buffers.
+_resize_memory = jax.jit(flsmem.resize, static_argnames=("max_chunk",))
 
 
 def _pieces(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
