@@ -163,6 +163,22 @@ def test_an_average_over_fewer_tasks_says_so():
     assert "| h2o | 100 [100–100] |" in text
 
 
+def test_a_protocol_run_on_fewer_tasks_has_averages_that_say_so():
+    """Across the summary's columns too: a protocol run on vt alone, where the stream ran
+    vt and fwe, has averages over one task of two, and says so."""
+    from flsmem.harness.ruler import report
+
+    rows = []
+    for index in range(2):
+        rows += [_row("vt", "full", "stream", 1.0, index, 1.0), _row("fwe", "full", "stream", 1.0, index, 0.5),
+                 _row("vt", "h2o", "stream", 0.25, index, 0.0), _row("fwe", "h2o", "stream", 0.25, index, 0.0),
+                 _row("vt", "full", "question-agnostic", 1.0, index, 1.0),
+                 _row("vt", "h2o", "question-agnostic", 0.25, index, 0.5)]
+    text = report.format_report(rows, "t")
+    assert "| h2o | 50 [50–50] (1 of 2 tasks, full 100 on them) | 0 [0–0] |" in text
+    assert "| full | 100 [100–100] (1 of 2 tasks, full 100 on them) | 75 [75–75] |" in text
+
+
 def test_an_average_over_fewer_tasks_gives_the_full_caches_on_the_same_tasks():
     """Set beside an arm that lacks a task, the full cache's average over every task
     would mislead: the note gives its average over the arm's tasks, by hand 100 on vt

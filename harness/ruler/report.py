@@ -157,7 +157,9 @@ def _arms(scores: dict, length: int, protocol: str, policies: list[str]) -> list
 
 
 def _summary(scores, length, policies, kept, most) -> list[str]:
-    """Average accuracy: a row per policy, a column per protocol and budget."""
+    """Average accuracy: a row per policy, a column per protocol and budget. Every
+    average is over the tasks answered at ``length`` under any protocol, so that one
+    over fewer (a protocol not run on some tasks) says so, as within a protocol."""
     columns = sorted({(proto, b) for (n, proto, p, b) in scores if n == length and p != "full"},
                      key=lambda c: (PROTOCOLS.index(c[0]) if c[0] in PROTOCOLS else 9, c[1]))
     lines = ["| policy | " + " | ".join(f"{proto} {b:g}" for proto, b in columns) + " |",
@@ -168,7 +170,7 @@ def _summary(scores, length, policies, kept, most) -> list[str]:
             # The full cache answers alike under every protocol and budget: its one figure in every column.
             tasks = scores.get((length, proto, policy, 1.0 if policy == "full" else b), {})
             full = scores.get((length, proto, "full", 1.0))
-            cells.append(_average(tasks, _present(scores, length, kept, proto), most, full) if tasks else "–")
+            cells.append(_average(tasks, _present(scores, length, kept), most, full) if tasks else "–")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return lines
 
