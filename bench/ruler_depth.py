@@ -14,7 +14,7 @@ in one of three bands of the needle's distance from the end: the last half-budge
 half-budget before it, and further back. Only the tasks with one answer (the
 single-needle and multi-key tasks) count.
 
-    python -m bench.ruler_depth results/ruler/smollm2-135m-4k-stream.jsonl
+    python -m bench.ruler_depth results/ruler/smollm2-135m-4k.jsonl
 """
 
 from __future__ import annotations
