@@ -8,9 +8,9 @@ question (token ids); the memory keeps ``budget`` items per global layer and KV 
 * ``question-agnostic``: the context is prefilled with the whole of it in memory, its
   attention folded as evidence (``flsmem.observe``, chunk by chunk) and the memory cut
   to the budget at once (``flsmem.compress``) and every memory moved into the slots
-  the rest needs (``flsmem.resize``), before the question is known; then the question's tokens are
-  fed and the answer decoded, evicting every ``evict_every`` items as they arrive
-  (``flsmem.update_layers``);
+  the rest needs (``flsmem.resize``), before the question is known; then the
+  question's tokens are fed and the answer decoded, evicting every ``evict_every``
+  items as they arrive (``flsmem.update_layers``);
 * ``question-aware``: the same with the question inside the prefill, so the cut sees
   the question's attention (SnapKV's setting); then the answer is decoded, evicting
   as it goes;
