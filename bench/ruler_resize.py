@@ -17,35 +17,22 @@ from __future__ import annotations
 
 import time
 
-from bench.common import save, set_timing, summarise
-from bench.ruler_share import add_options, prepare
-from flsmem.harness.arguments import make_parser
+from bench.common import save, summarise
+from bench.ruler_share import prepare
 from flsmem.harness.ruler import protocols
 
 
-def _prompt_sized(memories, step):
-    return memories
-
-
 def main(argv=None):
-    parser = make_parser("python -m bench.ruler_resize", __doc__)
-    add_options(parser, "ruler-resize")
-    args = parser.parse_args(argv)
-    set_timing(args)
-
-    model, arms, configs, samples = prepare(args)
-    resize = protocols._resize
+    args, model, arms, configs, samples = prepare(argv, "python -m bench.ruler_resize", __doc__, "ruler-resize")
     rounds, differ, answered = [], 0, 0
     for index, ids, tables, kwargs in samples:
         order = ("resized", "prompt-sized") if index % 2 else ("prompt-sized", "resized")
         seconds, found = {}, {}
         for way in order:
-            protocols._resize = resize if way == "resized" else _prompt_sized
             begin = time.perf_counter()
             found[way] = {i: tokens for i, tokens, _ in protocols.answers(model, configs, *ids, tables=tables,
-                                                                          **kwargs)}
+                                                                          resize=way == "resized", **kwargs)}
             seconds[way] = time.perf_counter() - begin
-        protocols._resize = resize
         changed = [arms[i] for i in range(len(arms)) if found["resized"][i] != found["prompt-sized"][i]]
         label = "warm-up (compiles)" if index == 0 else f"round {index}"
         ratio = seconds["prompt-sized"] / seconds["resized"]

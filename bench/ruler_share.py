@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from bench.common import add_timing_options, save, set_timing, summarise
 from flsmem.harness.arguments import make_parser
 from flsmem.harness.ruler import protocols
@@ -28,12 +26,7 @@ POLICIES = "h2o,streaming_llm,snapkv,rmm,tova,oracle"
 
 
 def main(argv=None):
-    parser = make_parser("python -m bench.ruler_share", __doc__)
-    add_options(parser, "ruler-share")
-    args = parser.parse_args(argv)
-    set_timing(args)
-
-    model, arms, configs, samples = prepare(args)
+    args, model, arms, configs, samples = prepare(argv, "python -m bench.ruler_share", __doc__, "ruler-share")
     rounds = []
     for index, ids, tables, kwargs in samples:
         def shared_run():
@@ -67,8 +60,12 @@ def main(argv=None):
                     "arms": [list(arm) for arm in arms], "max_new": MAX_NEW, "speedup": summary})
 
 
-def add_options(parser, out: str) -> None:
-    """The options of the RULER timings: what to answer, how often, where to write."""
+def prepare(argv, prog: str, doc: str, out: str):
+    """A RULER timing's command line read and its work laid out: ``(args, model, arms,
+    configs, samples)``, the options, the model, the ``(policy, budget)`` arms and
+    their memory settings, and per round (the warm-up first) ``(index, (context,
+    question), oracle tables, keyword arguments of answer)``."""
+    parser = make_parser(prog, doc)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--task", default="niah_single_2")
@@ -78,12 +75,9 @@ def add_options(parser, out: str) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="samples timed, each a round (after one warm-up)")
     parser.add_argument("--out", default=out, help="results/bench/<out>.json")
     add_timing_options(parser)
+    args = parser.parse_args(argv)
+    set_timing(args)
 
-
-def prepare(args):
-    """``(model, arms, configs, samples)``: the model, the ``(policy, budget)`` arms and
-    their memory settings, and per round (the warm-up first) ``(index, (context,
-    question), oracle tables, keyword arguments of answer)``."""
     from fractions import Fraction
 
     from flsmem.harness.ruler.run import Plan, _Answerer, _budget_tokens, _config
@@ -107,7 +101,7 @@ def prepare(args):
             yield index, ids, tables, dict(protocol=args.protocol, max_new=sample["max_new_tokens"],
                                            eos_id=tokenizer.eos_id)
 
-    return model, arms, configs, samples()
+    return args, model, arms, configs, samples()
 
 
 if __name__ == "__main__":

@@ -518,8 +518,7 @@ def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, sha
     assert slots[0] == (name, 100, 8) and config.replace(max_chunk=8).capacity == 39
     if shape is _LOCAL:  # the windows (5 slots and what may arrive) as well
         assert slots[1][:2] == ("window", 5 + 8 + config.max_chunk - 1) and len(slots) == 2
-    monkeypatch.setattr(protocols, "_resize", lambda memories, step: memories)
-    assert resized == protocols.answer(model, config, context, question, **kwargs)
+    assert resized == protocols.answer(model, config, context, question, resize=False, **kwargs)
     assert len(resized[0]) == 12 and resized[1]["evictions"] > 0
 
 

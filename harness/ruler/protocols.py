@@ -84,6 +84,7 @@ def answer(
     max_new: int,
     eos_id: int | None = None,
     table: np.ndarray | None = None,
+    resize: bool = True,
 ) -> tuple[list[int], dict]:
     """Greedy answer to ``context`` + ``question`` under ``config``'s memory.
 
@@ -96,13 +97,16 @@ def answer(
       eos_id: the end-of-sequence token, or None.
       table: the oracle's ``[L, 1, K, W]`` from :func:`answer_attention`; None for
         every other policy.
+      resize: after the cut, move the memory into the slots the question and the
+        answer need (:func:`flsmem.resize`); False leaves it the prompt's slots (the
+        same answer to float rounding, slower: ``bench.ruler_resize`` times the two).
 
     Returns:
       ``(tokens, info)``: the generated ids (without the end token) and
       ``{"evictions": items evicted over all layers and rows}``.
     """
     ((_, tokens, info),) = answers(model, [config], context, question, protocol=protocol, max_new=max_new,
-                                   eos_id=eos_id, tables=[table])
+                                   eos_id=eos_id, tables=[table], resize=resize)
     return tokens, info
 
 
@@ -116,6 +120,7 @@ def answers(
     max_new: int,
     eos_id: int | None = None,
     tables: list[np.ndarray | None] | None = None,
+    resize: bool = True,
 ) -> Iterator[tuple[int, list[int], dict]]:
     """:func:`answer` under each of ``configs``, the prefill shared where it can be.
 
@@ -152,7 +157,9 @@ def answers(
         feed = functools.partial(_feed_pieces, graphdef, params, prompt, tables[index])
         step = configs[index].evict_every
         if cut:
-            memories = _resize(_compress(memories), step)
+            memories = _compress(memories)
+            if resize:
+                memories = _resize(memories, step)
         memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
         tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
         return index, tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
