@@ -80,7 +80,7 @@ def prepare(argv, prog: str, doc: str, out: str):
 
     from fractions import Fraction
 
-    from flsmem.harness.ruler.run import Plan, _Answerer, _budget_tokens, _config
+    from flsmem.harness.ruler.run import Answerer, Plan
     from flsmem.harness.ruler.tasks import make_sample
     from flsmem.models import catalog
 
@@ -89,15 +89,14 @@ def prepare(argv, prog: str, doc: str, out: str):
             for budget in args.budgets.split(",")]
     plan = Plan(model=args.model, lengths=(args.length,), tasks=(args.task,), policies=(), budgets=(),
                 protocols=(args.protocol,), samples=args.rounds + 1)
-    helper = _Answerer(plan, model, tokenizer)
-    configs = [_config(policy, _budget_tokens(budget, args.length), args.protocol, args.length + 1, 16, model.cfg,
-                       helper.estimator) for policy, budget in arms]
+    helper = Answerer(plan, model, tokenizer)
+    _, configs = helper.configs(arms, args.protocol, args.length)
 
     def samples():
         for index in range(args.rounds + 1):
             sample = make_sample(args.task, args.length, index, tokenizer, 0)
-            ids = helper._ids(sample)
-            tables = [helper._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
+            ids = helper.ids(sample)
+            tables = [helper.oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
             yield index, ids, tables, dict(protocol=args.protocol, max_new=sample["max_new_tokens"],
                                            eos_id=tokenizer.eos_id)
 

@@ -418,7 +418,7 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
                     budgets=(0.25,), protocols=("stream",), samples=1)
     answered = []
     for estimator in (None, str(evaluate.ESTIMATOR_DIR)):
-        answerer = run._Answerer(dataclasses.replace(plan, estimator=estimator), types.SimpleNamespace(cfg=TINY),
+        answerer = run.Answerer(dataclasses.replace(plan, estimator=estimator), types.SimpleNamespace(cfg=TINY),
                                  ByteTokenizer())
         answered += answerer.rows("learned", sample, [("stream", 0.25)])
     assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR)]

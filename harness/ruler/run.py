@@ -43,7 +43,7 @@ from flsmem.harness.ruler.tasks import MAX_NEW_TOKENS, TASKS, make_sample
 from flsmem.models import catalog
 from flsmem.validate import fail, nonneg_int, positive_int, require
 
-__all__ = ["Plan", "QUICK", "run", "add_arguments", "check_arguments", "run_cli"]
+__all__ = ["Answerer", "Plan", "QUICK", "run", "add_arguments", "check_arguments", "run_cli"]
 
 COMMAND = "flsmem ruler"
 # ``--quick``: one sample of the easiest task, the full cache and h2o at a quarter of the
@@ -184,7 +184,7 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
                 key = (sample["task"], sample["length"], sample["index"], protocol)
                 together.setdefault(key, (sample, []))[1].append((policy, budget))
     bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
-    answerer = _Answerer(plan, model, tokenizer)
+    answerer = Answerer(plan, model, tokenizer)
 
     def save(rows):
         nonlocal written
@@ -207,7 +207,7 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
     return written
 
 
-class _Answerer:
+class Answerer:
     """Answers of one model: builds policies and memory settings, caches the oracle's
     table of each sample, and frees compiled programs between policies."""
 
@@ -224,8 +224,8 @@ class _Answerer:
 
     def rows(self, policy: str, sample: dict, arms: list[tuple[str, float]]) -> Iterator[dict]:
         """A row per ``(protocol, budget)`` of ``arms``; the full cache answers once."""
-        ids = self._ids(sample)
-        table = self._oracle_table(sample, ids) if policy == "oracle" else None
+        ids = self.ids(sample)
+        table = self.oracle_table(sample, ids) if policy == "oracle" else None
         shared = None
         for protocol, budget in arms:
             if policy == "full" and shared is not None:
@@ -238,11 +238,20 @@ class _Answerer:
     def shared_rows(self, sample: dict, protocol: str, arms: list[tuple[str, float]]) -> Iterator[dict]:
         """A row per ``(policy, budget)`` of ``arms`` under a prefilling ``protocol``, one
         prefill shared by all (:func:`~flsmem.harness.ruler.protocols.answers`)."""
-        ids = self._ids(sample)
-        tables = [self._oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
+        ids = self.ids(sample)
+        tables = [self.oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
         yield from self._answers(sample, ids, protocol, arms, tables)
 
-    def _ids(self, sample: dict) -> list[np.ndarray]:
+    def configs(self, arms: list[tuple[str, float]], protocol: str, length: int) -> tuple[list[int], list]:
+        """The budget in items and the memory settings of each ``(policy, fraction)`` of
+        ``arms`` for prompts of ``length`` tokens under ``protocol``."""
+        budgets = [_budget_tokens(budget, length) for _, budget in arms]
+        configs = [_config(policy, tokens, protocol, length + 1, self.plan.evict_every, self.model.cfg, self.estimator)
+                   for (policy, _), tokens in zip(arms, budgets)]
+        return budgets, configs
+
+    def ids(self, sample: dict) -> list[np.ndarray]:
+        """The token ids of ``sample``'s context and question."""
         ids = [np.asarray(self.tokenizer.encode(sample[part]), np.int32) for part in ("context", "question")]
         if self.tokenizer.add_bos:  # Gemma: BOS first, one token past the sample's length
             ids[0] = np.concatenate([[self.tokenizer.bos_id], ids[0]]).astype(np.int32)
@@ -255,10 +264,8 @@ class _Answerer:
         from flsmem.harness.ruler.protocols import answers
         from flsmem.harness.ruler.score import score
 
-        plan, length = self.plan, sample["length"]
-        budgets = [_budget_tokens(budget, length) for _, budget in arms]
-        configs = [_config(policy, tokens, protocol, length + 1, plan.evict_every, self.model.cfg, self.estimator)
-                   for (policy, _), tokens in zip(arms, budgets)]
+        plan = self.plan
+        budgets, configs = self.configs(arms, protocol, sample["length"])
         begin = time.perf_counter()
         for index, generated, info in answers(self.model, configs, *ids, protocol=protocol,
                                               max_new=sample["max_new_tokens"], eos_id=self.tokenizer.eos_id,
@@ -278,7 +285,7 @@ class _Answerer:
             }
             begin = now
 
-    def _oracle_table(self, sample, ids) -> np.ndarray:
+    def oracle_table(self, sample, ids) -> np.ndarray:
         """The oracle's table of ``sample`` (the last one is kept: every arm of a sample asks)."""
         from flsmem.harness.ruler.protocols import answer_attention
 
