@@ -419,7 +419,7 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
     answered = []
     for estimator in (None, str(evaluate.ESTIMATOR_DIR)):
         answerer = run.Answerer(dataclasses.replace(plan, estimator=estimator), types.SimpleNamespace(cfg=TINY),
-                                 ByteTokenizer())
+                                ByteTokenizer())
         answered += answerer.rows("learned", sample, [("stream", 0.25)])
     assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR)]
     assert [row["estimator"] for row in answered] == ["estimator-smollm2", "estimator"]
