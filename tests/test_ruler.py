@@ -215,6 +215,28 @@ def test_an_average_over_fewer_samples_says_so():
         rows, "t")
 
 
+def test_the_report_says_which_cells_of_the_grid_are_complete():
+    """The full cache fails every task but niah_single_1, so a cell needs 50 samples of
+    that task alone: h2o streamed at 1/4 has them, at 1/2 one fewer, and snapkv has them
+    of a task beyond the model only. Complete: the full cache under its three protocols
+    and h2o at 1/4, of 17 evicting policies x 9 columns + 3."""
+    from flsmem.harness.ruler import report
+
+    rows = [_row(task, "full", protocol, 1.0, index, float(task == "niah_single_1"))
+            for task in tasks.TASKS for protocol in ("question-agnostic", "question-aware", "stream")
+            for index in range(50)]
+    rows += [_row("niah_single_1", "h2o", "stream", 0.25, index, 0.0) for index in range(50)]
+    rows += [_row("niah_single_1", "h2o", "stream", 0.5, index, 0.0) for index in range(49)]
+    rows += [_row("vt", "snapkv", "stream", 0.25, index, 0.0) for index in range(50)]
+    text = report.format_report(rows, "t")
+    coverage = text[text.index("### Coverage of the grid"):]
+    assert "over the tasks within the model (1;" in coverage
+    assert "**Complete: 4 of 156 cells.**" in coverage
+    assert "| full | " + " | ".join(["**50**"] * 9) + " |" in coverage
+    assert "| h2o | " + " | ".join(["–"] * 7) + " | **50** | 49 |" in coverage
+    assert "| snapkv | " + " | ".join(["–"] * 9) + " |" in coverage
+
+
 def test_the_report_pairs_each_policy_with_h2o_on_the_same_samples(tmp_path):
     from flsmem.harness.ruler import report
 

@@ -8,6 +8,8 @@ within the task). A task whose full-cache score is below 20% is beyond the model
 is marked and left out of the averages, since no eviction can be judged on it. Every
 policy is then paired with each reference that was run, accumulation (h2o) and recency
 (streaming_llm), on the same samples, at the same budget and at twice it.
+Last, per length, how much of the benchmark's grid the file holds: each protocol, budget
+and default policy, and whether every task within the model has its samples.
 The plot shows the average accuracy against the budget, one panel per length and
 protocol.
 """
@@ -23,7 +25,8 @@ import numpy as np
 from flsmem.harness.ruler.protocols import PROTOCOLS
 from flsmem.harness.ruler.tasks import TASKS
 
-__all__ = ["KEY", "BEYOND", "REFERENCES", "RESAMPLES", "row_key", "load", "format_report", "plot", "write"]
+__all__ = ["KEY", "BEYOND", "REFERENCES", "RESAMPLES", "GRID_BUDGETS", "GRID_SAMPLES", "row_key", "load",
+           "format_report", "plot", "write"]
 
 # The fields that name one answer in a results file: the runner does not redo a row
 # with the same values, and the report keeps the last of them. ``estimator`` (the
@@ -34,6 +37,11 @@ BEYOND = 0.2
 # The baselines every other policy is paired against: accumulation and recency.
 REFERENCES = ("h2o", "streaming_llm")
 RESAMPLES = 2000
+# The benchmark's grid at each length: every protocol at these budgets, each policy that
+# ``flsmem ruler`` answers by default, and at least this many samples of every task
+# within the model. The runner's defaults are these.
+GRID_BUDGETS = (0.125, 0.25, 0.5)
+GRID_SAMPLES = 50
 
 
 def row_key(row: dict) -> tuple:
@@ -284,6 +292,41 @@ def _checkpoints(rows, scores, length, kept) -> list[str]:
             *lines, ""]
 
 
+def _coverage(by_sample, length, beyond) -> list[str]:
+    """The grid's cells (:data:`GRID_BUDGETS`, every protocol, the runner's default
+    policies): for each, the fewest samples of a task within the model that it holds,
+    bold when it holds :data:`GRID_SAMPLES` of every one of them, and how many cells are
+    complete. A task the full cache has not answered at ``length`` counts as within the
+    model. The full cache answers alike under every budget: a cell per protocol."""
+    from flsmem.harness.evaluate import POLICY_NAMES
+
+    needed = [t for t in TASKS if t not in beyond]
+    columns = [(protocol, budget) for protocol in PROTOCOLS for budget in GRID_BUDGETS]
+    lines, complete, cells_in_all = [], 0, 0
+    for policy in POLICY_NAMES:
+        cells = []
+        for protocol, budget in columns:
+            got = by_sample.get((length, protocol, policy, 1.0 if policy == "full" else budget), {})
+            have = [t for t in needed if t in got]
+            least = min((len(got[t]) for t in have), default=0)
+            done = len(have) == len(needed) and least >= GRID_SAMPLES
+            if policy != "full" or budget == GRID_BUDGETS[0]:
+                complete, cells_in_all = complete + done, cells_in_all + 1
+            cells.append("–" if not have else f"**{least}**" if done else
+                         f"{least}" + ("" if len(have) == len(needed) else f" ({len(have)} of {len(needed)} tasks)"))
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    budgets = ", ".join(f"{b:g}" for b in GRID_BUDGETS)
+    return ["### Coverage of the grid", "",
+            f"The fewest samples of a task that each cell holds, over the tasks within the model ({len(needed)}; "
+            f"a task the full cache has not answered counts as within it); bold where every one of them has at "
+            f"least {GRID_SAMPLES}. The grid: every protocol at budgets {budgets} and each policy `flsmem ruler` "
+            "answers by default (the full cache once per protocol); arms outside it (other budgets, policies "
+            f"given arguments, the learned ones) are in the tables above but not here. **Complete: {complete} of "
+            f"{cells_in_all} cells.**", "",
+            "| policy | " + " | ".join(f"{protocol} {budget:g}" for protocol, budget in columns) + " |",
+            "|---" * (len(columns) + 1) + "|", *lines, ""]
+
+
 def format_report(rows: list[dict], title: str) -> str:
     """The markdown report of ``rows``."""
     by_sample, scores, policies = _by_sample(rows), _scores(rows), _policies(rows)
@@ -309,6 +352,7 @@ def format_report(rows: list[dict], title: str) -> str:
             lines += _paired(by_sample, length, policies, kept, reference)
         lines += _across_protocols(by_sample, length, policies, kept)
         lines += _checkpoints(rows, scores, length, kept)
+        lines += _coverage(by_sample, length, beyond)
     return "\n".join(lines)
 
 

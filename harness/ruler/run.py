@@ -327,10 +327,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICY_NAMES),
                         help="comma-separated eviction policies (as in flsmem eval; the learned ones too) (default: "
                              "every policy but the learned ones and expected_attention)")
-    parser.add_argument("--budgets", default="1/8,1/4,1/2", help="fractions of the length kept, comma-separated")
+    parser.add_argument("--budgets", default=",".join(str(Fraction(b)) for b in report.GRID_BUDGETS),
+                        help="fractions of the length kept, comma-separated")
     parser.add_argument("--protocols", default=",".join(PROTOCOLS),
                         help=f"comma-separated, among {', '.join(PROTOCOLS)} (default: all three)")
-    parser.add_argument("--samples", type=int, default=50, help="samples per task and length")
+    parser.add_argument("--samples", type=int, default=report.GRID_SAMPLES, help="samples per task and length")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples")
     parser.add_argument("--evict-every", type=int, default=16, help="items that arrive between two evictions")
     parser.add_argument("--out", default=None,
