@@ -414,13 +414,20 @@ def _layers(cfg: DecoderConfig) -> LayerInfo:
                   theta=jnp.asarray([local_theta if f else cfg.rope_theta for f in local], jnp.float32))
 
 
-def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32) -> Memories:
+def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, dtype=jnp.float32, *,
+                  window_chunk: int | None = None) -> Memories:
     """Empty KV memories of every layer: the global layers' under ``config``, stacked
     ``[L_global, ...]``; the local layers', each holding exactly its window (the
-    ``window`` policy at ``budget = sliding_window``, on ``config``'s schedule)."""
+    ``window`` policy at ``budget = sliding_window``, on ``config``'s schedule).
+
+    ``window_chunk``: the most items one write adds to a window (default:
+    ``config.max_chunk``). A caller that sizes ``max_chunk`` so that the global layers
+    hold a whole prompt until one cut passes the pieces it feeds: the windows evict as
+    they go, so slots beyond those would only be attended over masked."""
     kv = functools.partial(flsmem.init_kv, batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=dtype)
     windows = None
     if cfg.local_layers:
-        local = config.replace(policy=flsmem.policies.window(), budget=cfg.sliding_window)
+        local = config.replace(policy=flsmem.policies.window(), budget=cfg.sliding_window,
+                               max_chunk=config.max_chunk if window_chunk is None else window_chunk)
         windows = kv(local, layers=len(cfg.local_layers))
     return Memories(evictable=kv(config, layers=len(cfg.global_layers)), windows=windows)

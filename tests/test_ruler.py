@@ -456,8 +456,8 @@ _LOCAL = dict(_GLOBAL, depth=4, kv_heads=1, qk_norm=True, post_norms=True, slidi
     (_GLOBAL, [("h2o", 24), ("h2o", 40), ("snapkv", 24), ("key_norm", 24), ("expected_attention", 24),
                ("oracle", 24), ("rmm", 24), ("tova", 24), ("adaptive", 24), ("surprise_reserve", 24),
                ("streaming_llm", 24)], [[0, 1, 2, 3, 5, 6, 7, 8, 9, 10], [4]]),
-    # The local layers' windows are sized by the budget's schedule: budgets apart do not share.
-    (_LOCAL, [("h2o", 24), ("snapkv", 24), ("h2o", 40)], [[0, 1], [2]]),
+    # The local layers' windows are sized by the pieces fed, not the budget: budgets apart share.
+    (_LOCAL, [("h2o", 24), ("snapkv", 24), ("h2o", 40)], [[0, 1, 2]]),
 ])
 def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, arms, groups, monkeypatch):
     """One prefill folded into every policy's and budget's memory leaves each exactly
@@ -487,11 +487,11 @@ def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, a
 
     graphdef, params = nnx.split(model)
     for group in (g for g in groups if len(g) > 1):
-        alone = {i: protocols._prefill(graphdef, params, prompt, len(prompt), init_memories(model.cfg, configs[i], 1),
+        alone = {i: protocols._prefill(graphdef, params, prompt, len(prompt), protocols._empty(model.cfg, configs[i]),
                                        (), [tables[i]], 8) for i in group}
-        followers = tuple(init_memories(model.cfg, configs[i], 1).evictable.replace(payload=None) for i in group[1:])
+        followers = tuple(protocols._empty(model.cfg, configs[i]).evictable.replace(payload=None) for i in group[1:])
         lead, followed, logits = protocols._prefill(graphdef, params, prompt, len(prompt),
-                                                    init_memories(model.cfg, configs[group[0]], 1), followers,
+                                                    protocols._empty(model.cfg, configs[group[0]]), followers,
                                                     [tables[i] for i in group], 8)
         assert jax.tree.all(jax.tree.map(np.array_equal, lead, alone[group[0]][0]))
         np.testing.assert_array_equal(logits, alone[group[0]][2])
@@ -510,6 +510,41 @@ def test_a_shared_prefill_leaves_each_policy_the_memory_it_builds_alone(shape, a
     for i, (config, table) in enumerate(zip(configs, tables)):
         alone = protocols.answer(model, config, context, question, protocol="question-aware", max_new=2, table=table)
         assert tuple(shared[i]) == alone, arms[i]
+
+
+def test_the_local_layers_windows_hold_the_pieces_fed_not_the_prompt(monkeypatch):
+    """Before the cut the global layers hold the whole prompt (100 slots); the windows
+    evict as they go, so theirs is sized by the largest piece (5 + 8 + 8 - 1 = 20 slots,
+    at every budget) and not by the prompt's (5 + 8 + 69 - 1 = 81 at budget 24). The
+    prefill leaves them the same items and the model the same logits as the oversized
+    windows do."""
+    import jax
+    from flax import nnx
+
+    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler import protocols
+    from flsmem.models.decoder import Decoder, DecoderConfig, init_memories
+
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 8)
+    model = Decoder(DecoderConfig(**_LOCAL), nnx.Rngs(0))
+    configs = {budget: protocols.memory_config(make_policy("h2o", budget, model=model.cfg), budget,
+                                               "question-agnostic", length=100, evict_every=8, max_new=4)
+               for budget in (24, 40)}
+    assert {protocols._empty(model.cfg, c).windows.valid.shape[-1] for c in configs.values()} == {20}
+    assert init_memories(model.cfg, configs[24], 1).windows.valid.shape[-1] == 81
+    prompt = np.random.default_rng(0).integers(0, 64, 88).astype(np.int32)
+    graphdef, params = nnx.split(model)
+    small, _, logits = protocols._prefill(graphdef, params, prompt, len(prompt),
+                                          protocols._empty(model.cfg, configs[24]), (), [None], 8)
+    large, _, reference = protocols._prefill(graphdef, params, prompt, len(prompt),
+                                             init_memories(model.cfg, configs[24], 1), (), [None], 8)
+    np.testing.assert_allclose(logits, reference, rtol=1e-5, atol=1e-6)
+    held = lambda w: [sorted(p[v]) for p, v in zip(np.asarray(w.position).reshape(-1, w.position.shape[-1]),
+                                                   np.asarray(w.valid).reshape(-1, w.valid.shape[-1]))]
+    assert held(small.windows) == held(large.windows)
+    assert all(len(row) >= 5 for row in held(small.windows))  # at least the window itself
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.allclose(a, b, rtol=1e-5, atol=1e-6),
+                                     small.evictable, large.evictable))
 
 
 @pytest.mark.parametrize("name, shape", [("h2o", _GLOBAL), ("snapkv", _GLOBAL), ("learned", _GLOBAL),
@@ -538,8 +573,8 @@ def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, sha
     kwargs = dict(protocol="question-agnostic", max_new=12)
     resized = protocols.answer(model, config, context, question, **kwargs)
     assert slots[0] == (name, 100, 8) and config.replace(max_chunk=8).capacity == 39
-    if shape is _LOCAL:  # the windows (5 slots and what may arrive) as well
-        assert slots[1][:2] == ("window", 5 + 8 + config.max_chunk - 1) and len(slots) == 2
+    if shape is _LOCAL:  # the windows as well (5 slots and what may arrive: a period and a piece of 8)
+        assert slots[1][:2] == ("window", 5 + 8 + 8 - 1) and len(slots) == 2
     assert resized == protocols.answer(model, config, context, question, resize=False, **kwargs)
     assert len(resized[0]) == 12 and resized[1]["evictions"] > 0
 

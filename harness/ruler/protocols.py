@@ -166,12 +166,12 @@ def answers(
 
     if not cut:
         for index, config in enumerate(configs):
-            yield finish(index, init_memories(model.cfg, config, 1), None)
+            yield finish(index, _empty(model.cfg, config), None)
         return
     for group in _sharing(model.cfg, configs):
         lead, others = group[0], group[1:]
-        memories = init_memories(model.cfg, configs[lead], 1)
-        followers = tuple(init_memories(model.cfg, configs[i], 1).evictable.replace(payload=None) for i in others)
+        memories = _empty(model.cfg, configs[lead])
+        followers = tuple(_empty(model.cfg, configs[i]).evictable.replace(payload=None) for i in others)
         memories, followers, logits = _prefill(graphdef, params, prompt, cut, memories, followers,
                                                [tables[i] for i in group], configs[lead].evict_every)
         for index, follower in zip(others, followers):
@@ -183,6 +183,13 @@ def answers(
         yield finish(lead, memories, logits)
 
 
+def _empty(cfg, config: flsmem.MemoryConfig):
+    """Empty memories for one answer. A prefilling config's ``max_chunk`` makes the
+    global layers hold the whole prompt until the cut; the local layers' windows evict
+    as they go, so theirs is the largest piece fed, whatever the budget."""
+    return init_memories(cfg, config, 1, window_chunk=min(config.max_chunk, max(PREFILL_CHUNK, config.evict_every)))
+
+
 def _sharing(cfg, configs) -> list[list[int]]:
     """The configs grouped by what a shared prefill needs alike: the schedule and the
     shapes of every memory (the global layers' slots, the local layers' windows). A
@@ -190,7 +197,7 @@ def _sharing(cfg, configs) -> list[list[int]]:
     memory's prefill, which hands on attention only: it prefills alone."""
     groups: dict = {}
     for index, config in enumerate(configs):
-        shapes = jax.eval_shape(lambda c=config: init_memories(cfg, c, 1))
+        shapes = jax.eval_shape(lambda c=config: _empty(cfg, c))
         windows = None if shapes.windows is None else (shapes.windows.config, shapes.windows.valid.shape)
         alone = index if config.policy.fold_queries is not None else None
         groups.setdefault((config.evict_every, shapes.evictable.valid.shape, windows, alone), []).append(index)
