@@ -424,6 +424,9 @@ def init_memories(cfg: DecoderConfig, config: flsmem.MemoryConfig, batch: int, d
     ``config.max_chunk``). A caller that sizes ``max_chunk`` so that the global layers
     hold a whole prompt until one cut passes the pieces it feeds: the windows evict as
     they go, so slots beyond those would only be attended over masked."""
+    if window_chunk is not None and (isinstance(window_chunk, bool) or not isinstance(window_chunk, int)
+                                     or window_chunk < 1):
+        raise ValueError(f"window_chunk must be None or an int >= 1, got {window_chunk!r}")
     kv = functools.partial(flsmem.init_kv, batch=batch, kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=dtype)
     windows = None
     if cfg.local_layers:

@@ -532,6 +532,9 @@ def test_the_local_layers_windows_hold_the_pieces_fed_not_the_prompt(monkeypatch
                for budget in (24, 40)}
     assert {protocols._empty(model.cfg, c).windows.valid.shape[-1] for c in configs.values()} == {20}
     assert init_memories(model.cfg, configs[24], 1).windows.valid.shape[-1] == 81
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="window_chunk"):
+            init_memories(model.cfg, configs[24], 1, window_chunk=bad)
     prompt = np.random.default_rng(0).integers(0, 64, 88).astype(np.int32)
     graphdef, params = nnx.split(model)
     small, _, logits = protocols._prefill(graphdef, params, prompt, len(prompt),
