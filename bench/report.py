@@ -244,40 +244,50 @@ def prefill_chunk_section(record, before) -> list[str]:
     return lines + command_block(record) + (command_block(before) if before else [])
 
 
-def ruler_share_section(records) -> list[str]:
-    lines = ["## RULER: one prefill for every policy and budget of a sample", "",
-             "Under the prefilling protocols `flsmem ruler` answers every policy and budget of a sample after one "
-             "shared prefill (`flsmem.harness.ruler.protocols.answers`). Each round is one RULER sample: the "
-             "arms answered together against the same arms answered one by one, back to back in alternating "
-             "order after a warm-up that compiles both; the answers are checked to be the same both ways. "
-             "The oracle's table is made outside both timings.", "",
-             "| model | length | protocol | arms | alone / shared | rounds |", "|---|---|---|---|---|---|"]
+# The RULER runner's speed-ups: record names, title, what a round compares, the ratio's column.
+RULER_SPEEDS = {
+    ("ruler-share", "ruler-share-4k"): (
+        "RULER: one prefill for every policy and budget of a sample",
+        "Under the prefilling protocols `flsmem ruler` answers every policy and budget of a sample after one "
+        "shared prefill (`flsmem.harness.ruler.protocols.answers`). Each round is one RULER sample: the "
+        "arms answered together against the same arms answered one by one, back to back in alternating "
+        "order after a warm-up that compiles both; the answers are checked to be the same both ways. "
+        "The oracle's table is made outside both timings.", "alone / shared"),
+    ("ruler-resize", "ruler-resize-4k"): (
+        "RULER: the cut memory resized for the question and the answer",
+        "After the cut `flsmem ruler` moves the kept items into the slots that the rest needs "
+        "(`flsmem.resize`: the budget and two eviction periods), not the prompt's. Each round is one RULER "
+        "sample: every arm answered after one shared prefill with the cut memory resized, against the same "
+        "with it left at the prompt's size, back to back in alternating order after a warm-up that "
+        "compiles both. The attention then sums over fewer slots, so the two agree to float rounding; the "
+        "answers that differ are counted.", "prompt-sized / resized"),
+    ("ruler-batch", "ruler-batch-fwe"): (
+        "RULER: a batch of samples decoded together",
+        "`flsmem ruler --batch K` answers K samples of a task in one call "
+        "(`flsmem.harness.ruler.protocols.batch_answers`): each sample's prefill shared by the arms, then "
+        "each arm's K answers decoded as one batch, a row per sample at its own positions. Each round is K "
+        "RULER samples: every arm's answers so, against the same samples answered one at a time (each "
+        "sharing its prefill), back to back in alternating order after a warm-up round that compiles both. "
+        "The model's products then run over the batch, so the two agree to float rounding; the answers "
+        "that differ are counted. The oracle's tables are made outside both timings.",
+        "one at a time / batched"),
+}
+
+
+def ruler_speed_section(title: str, text: str, column: str, records) -> list[str]:
+    batched = any("batch" in record for record in records)
+    counted = any("answers_differing" in record for record in records)
+    head = ["model", "length", "protocol", "arms"] + (["samples a round"] if batched else []) + [column, "rounds"] + (
+        ["answers that differ"] if counted else [])
+    lines = [f"## {title}", "", text, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for record in records:
         arms = ", ".join(f"{policy} {budget:g}" for policy, budget in record["arms"])
         r = record["speedup"]
-        lines.append(f"| {record['model']} | {record['length']} | {record['protocol']} | {arms} | "
-                     f"x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f}) | {len(r['rounds'])} |")
-    for record in records:
-        lines += command_block(record)
-    return lines
-
-
-def ruler_resize_section(records) -> list[str]:
-    lines = ["## RULER: the cut memory resized for the question and the answer", "",
-             "After the cut `flsmem ruler` moves the kept items into the slots that the rest needs "
-             "(`flsmem.resize`: the budget and two eviction periods), not the prompt's. Each round is one RULER "
-             "sample: every arm answered after one shared prefill with the cut memory resized, against the same "
-             "with it left at the prompt's size, back to back in alternating order after a warm-up that "
-             "compiles both. The attention then sums over fewer slots, so the two agree to float rounding; the "
-             "answers that differ are counted.", "",
-             "| model | length | protocol | arms | prompt-sized / resized | rounds | answers that differ |",
-             "|---|---|---|---|---|---|---|"]
-    for record in records:
-        arms = ", ".join(f"{policy} {budget:g}" for policy, budget in record["arms"])
-        r = record["speedup"]
-        lines.append(f"| {record['model']} | {record['length']} | {record['protocol']} | {arms} | "
-                     f"x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f}) | {len(r['rounds'])} | "
-                     f"{record['answers_differing']} of {record['answers']} |")
+        cells = [record["model"], str(record["length"]), record["protocol"], arms]
+        cells += [str(record.get("batch", 1))] if batched else []
+        cells += [f"x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f})", str(len(r["rounds"]))]
+        cells += [f"{record['answers_differing']} of {record['answers']}"] if counted else []
+        lines.append("| " + " | ".join(cells) + " |")
     for record in records:
         lines += command_block(record)
     return lines
@@ -397,7 +407,7 @@ def build() -> str:
                ("overhead-tiny", "overhead", "overhead-quick", "overhead-quick-all-cores", "overhead-learned",
                 "learned-flops", "overhead-adakv", "profile", "longctx", "prefill-memory", "prefill-chunk",
                 "prefill-chunk-before", "pyref", "evidence-layout", "kernel", "compile-time",
-                "compile-time-smollm2", "ruler-share", "ruler-share-4k", "ruler-resize", "ruler-resize-4k")}
+                "compile-time-smollm2") + sum(RULER_SPEEDS, ())}
     any_record = next((r for r in records.values() if r), None)
     lines = ["# Benchmarks (issues 7 and 21)", "",
              "Generated by `python -m bench.report` from `results/bench/*.json`; `bash bench/run_all.sh` runs "
@@ -442,12 +452,10 @@ def build() -> str:
         sections += prefill_memory_section(records["prefill-memory"])
     if records["prefill-chunk"]:
         sections += prefill_chunk_section(records["prefill-chunk"], records["prefill-chunk-before"])
-    shares = [records[name] for name in ("ruler-share", "ruler-share-4k") if records[name]]
-    if shares:
-        sections += ruler_share_section(shares)
-    resizes = [records[name] for name in ("ruler-resize", "ruler-resize-4k") if records[name]]
-    if resizes:
-        sections += ruler_resize_section(resizes)
+    for names, (title, text, column) in RULER_SPEEDS.items():
+        found = [records[name] for name in names if records[name]]
+        if found:
+            sections += ruler_speed_section(title, text, column, found)
     if records["pyref"]:
         s, g = pyref_section(records["pyref"])
         sections += s

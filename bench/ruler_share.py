@@ -60,22 +60,29 @@ def main(argv=None):
                     "arms": [list(arm) for arm in arms], "max_new": MAX_NEW, "speedup": summary})
 
 
-def prepare(argv, prog: str, doc: str, out: str):
+def prepare(argv, prog: str, doc: str, out: str, batches: bool = False):
     """A RULER timing's command line read and its work laid out: ``(args, model, arms,
     configs, samples)``, the options, the model, the ``(policy, budget)`` arms and
-    their memory settings, and per round (the warm-up first) ``(index, (context,
-    question), oracle tables, keyword arguments of answer)``."""
+    their memory settings, and per sample (the warm-up's first; with ``batches``,
+    ``--batch`` of them a round) ``(index, (context, question), oracle tables, keyword
+    arguments of answer)``."""
     parser = make_parser(prog, doc)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--task", default="niah_single_2")
     parser.add_argument("--policies", default=POLICIES, help="comma-separated")
     parser.add_argument("--budgets", default="1/4", help="fractions of the length, comma-separated")
-    parser.add_argument("--protocol", default="question-agnostic", choices=("question-agnostic", "question-aware"))
+    parser.add_argument("--protocol", default="question-agnostic", choices=("question-agnostic", "question-aware")
+                        + (("stream",) if batches else ()))
+    if batches:
+        parser.add_argument("--batch", type=int, default=8, help="samples answered together, a round")
     parser.add_argument("--rounds", type=int, default=3, help="samples timed, each a round (after one warm-up)")
     parser.add_argument("--out", default=out, help="results/bench/<out>.json")
     add_timing_options(parser)
     args = parser.parse_args(argv)
+    if batches and args.batch < 2:
+        parser.error(f"--batch must be an int >= 2 (samples answered together), got {args.batch}")
+    per_round = args.batch if batches else 1
     set_timing(args)
 
     from fractions import Fraction
@@ -88,12 +95,12 @@ def prepare(argv, prog: str, doc: str, out: str):
     arms = [(policy, float(Fraction(budget))) for policy in args.policies.split(",")
             for budget in args.budgets.split(",")]
     plan = Plan(model=args.model, lengths=(args.length,), tasks=(args.task,), policies=(), budgets=(),
-                protocols=(args.protocol,), samples=args.rounds + 1)
+                protocols=(args.protocol,), samples=(args.rounds + 1) * per_round)
     helper = Answerer(plan, model, tokenizer)
     _, configs = helper.configs(arms, args.protocol, args.length)
 
     def samples():
-        for index in range(args.rounds + 1):
+        for index in range((args.rounds + 1) * per_round):
             sample = make_sample(args.task, args.length, index, tokenizer, 0)
             ids = helper.ids(sample)
             tables = [helper.oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]

@@ -12,8 +12,8 @@ from flax import nnx
 
 import flsmem
 from bench import (adaptive_weights, common, compile_time, evidence_layout, kernel, learned_flops, overhead,
-                   prefill_chunk, profile, pyref, report, ruler_depth, ruler_resize, ruler_share, ruler_surprise,
-                   step_trace)
+                   prefill_chunk, profile, pyref, report, ruler_batch, ruler_depth, ruler_resize, ruler_share,
+                   ruler_surprise, step_trace)
 from bench.loops import plain_cache, plain_step, run_flsmem, run_plain, steady_memories
 from flsmem import policies
 from flsmem.models.decoder import Decoder, DecoderConfig
@@ -239,6 +239,18 @@ def test_ruler_resize_times_the_cut_memory_both_ways_and_the_report_shows_them(r
     assert "speed-up of resizing the cut memory" in capsys.readouterr().out
     assert "| tiny | 512 | question-agnostic | h2o 0.25, snapkv 0.25 | x" in report.build()
 
+
+
+def test_ruler_batch_times_batched_and_one_at_a_time_answers_and_the_report_shows_them(results, capsys):
+    ruler_batch.main(["--model", "tiny", "--length", "512", "--policies", "h2o,oracle", "--batch", "2",
+                      "--rounds", "1"])
+    record = json.loads((results / "ruler-batch.json").read_text())
+    assert record["arms"] == [["h2o", 0.25], ["oracle", 0.25]] and record["speedup"]["median"] > 0
+    assert record["batch"] == 2 and record["answers"] == 8 and 0 <= record["answers_differing"] <= 8
+    assert "speed-up of decoding 2 samples as a batch" in capsys.readouterr().out
+    assert "| tiny | 512 | question-agnostic | h2o 0.25, oracle 0.25 | 2 | x" in report.build()
+    with pytest.raises(SystemExit):
+        ruler_batch.main(["--model", "tiny", "--length", "512", "--batch", "1"])
 
 def test_the_report_says_which_prefixes_a_stopped_memory_run_left_undone(results):
     row = {"prefix": 256, "policy": "h2o", "peak_mb": 900.0, "seconds": 2.0, "time_vs_first_full": 1.0, "nll": 3.0}

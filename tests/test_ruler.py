@@ -387,10 +387,13 @@ def test_shards_split_the_plans_jobs_between_them():
     assert jobs((0, 3), done=[first]) == parts[0][1:] and jobs((1, 3), done=[first]) == parts[1]
 
 
-def test_the_runner_shares_a_prefill_between_the_policies_and_budgets_of_a_sample(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch", [8, 1])
+def test_the_runner_shares_a_prefill_between_the_policies_and_budgets_of_a_sample(batch, tmp_path, monkeypatch):
     """Under a prefilling protocol every policy and budget of a sample is answered in
-    one call (one prefill); streaming and the full cache answer alone. The model and the
-    answering are stand-ins: only the wiring is tested."""
+    one call (one prefill), and the samples of a task in the same call, up to
+    ``batch`` of them; streaming answers policy by policy, and the full cache once for
+    every protocol. The model and the answering are stand-ins: only the wiring is
+    tested."""
     import types
 
     from flsmem.harness.ruler import protocols, run
@@ -398,21 +401,25 @@ def test_the_runner_shares_a_prefill_between_the_policies_and_budgets_of_a_sampl
 
     calls = []
 
-    def answers(model, configs, context, question, *, protocol, **kwargs):
-        calls.append((protocol, sorted((c.policy.name, c.budget) for c in configs)))
-        return ((i, [], {"evictions": 0}) for i in reversed(range(len(configs))))
+    def batch_answers(model, configs, prompts, *, protocol, **kwargs):
+        calls.append((protocol, len(prompts), sorted((c.policy.name, c.budget) for c in configs)))
+        return ((p, i, [], {"evictions": 0}) for i in reversed(range(len(configs))) for p in range(len(prompts)))
 
-    monkeypatch.setattr(protocols, "answers", answers)
+    monkeypatch.setattr(protocols, "batch_answers", batch_answers)
     plan = run.Plan(model="tiny", lengths=(512,), tasks=("niah_single_1",), policies=("full", "h2o", "rmm"),
-                    budgets=(0.125, 0.25), protocols=("question-agnostic", "stream"), samples=2)
+                    budgets=(0.125, 0.25), protocols=("question-agnostic", "stream"), samples=2, batch=batch)
     out = tmp_path / "r.jsonl"
     assert run.run(plan, out, model=types.SimpleNamespace(cfg=TINY), tokenizer=ByteTokenizer(), progress=False) == 20
     arms = [("h2o", 64), ("h2o", 128), ("rmm", 64), ("rmm", 128)]
-    shared = [c for c in calls if c[0] == "question-agnostic" and len(c[1]) > 1]
-    assert shared == [("question-agnostic", arms)] * 2
-    assert len(calls) == 2 + 2 + 8  # the full cache once a sample, then 2 shared prefills, then 8 streamed answers
+    together = min(batch, 2)
+    units = [("question-agnostic", ["full"]), ("stream", ["h2o", "h2o"]), ("stream", ["rmm", "rmm"]),
+             ("question-agnostic", [name for name, _ in arms])]
+    assert [(protocol, [name for name, _ in configs]) for protocol, _, configs in calls] == [
+        unit for unit in units for _ in range(2 // together)]
+    assert {prompts for _, prompts, _ in calls} == {together} and calls[-1][2] == arms
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(collections.Counter((r["policy"], r["protocol"], r["budget"]) for r in rows).values()) == [2] * 10
+    assert {r["batch"] for r in rows} == {together}
     assert run.run(plan, out, model=types.SimpleNamespace(cfg=TINY), tokenizer=ByteTokenizer(), progress=False) == 0
 
 
@@ -433,8 +440,8 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
         return make_policy("h2o", budget, lag, model=model)
 
     monkeypatch.setattr(evaluate, "make_policy", record)
-    monkeypatch.setattr(protocols, "answers", lambda model, configs, *args, **kwargs: (
-        (i, [], {"evictions": 0}) for i in range(len(configs))))
+    monkeypatch.setattr(protocols, "batch_answers", lambda model, configs, prompts, **kwargs: (
+        (p, i, [], {"evictions": 0}) for i in range(len(configs)) for p in range(len(prompts))))
     sample = tasks.make_sample("niah_single_1", 2048, 0, ByteTokenizer(), 0)
     plan = run.Plan(model="smollm2-135m", lengths=(2048,), tasks=("niah_single_1",), policies=("learned",),
                     budgets=(0.25,), protocols=("stream",), samples=1)
@@ -442,7 +449,7 @@ def test_the_learned_policies_get_the_models_own_estimator(monkeypatch):
     for estimator in (None, str(evaluate.ESTIMATOR_DIR)):
         answerer = run.Answerer(dataclasses.replace(plan, estimator=estimator), types.SimpleNamespace(cfg=TINY),
                                 ByteTokenizer())
-        answered += answerer.rows("learned", sample, [("stream", 0.25)])
+        answered += answerer.answer([sample], "stream", [("learned", 0.25)])
     assert given == [str(evaluate.MODEL_ESTIMATORS["smollm2-135m"]), str(evaluate.ESTIMATOR_DIR)]
     assert [row["estimator"] for row in answered] == ["estimator-smollm2", "estimator"]
 
@@ -582,6 +589,51 @@ def test_the_cut_memory_is_resized_and_answers_as_the_prompt_sized_one(name, sha
     assert len(resized[0]) == 12 and resized[1]["evictions"] > 0
 
 
+
+@pytest.mark.parametrize("protocol", ["question-agnostic", "stream"])
+def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, monkeypatch):
+    """Three prompts of different lengths answered together: each config's rows decode
+    as one batch (each at its own positions, evicting on its own schedule) and give
+    each prompt the tokens and evictions it gets alone, one row ending early at the end
+    token; the oracle reads each prompt's own table; surprise_reserve, which commits
+    scores whenever a row is due, decodes its rows one at a time."""
+    from flax import nnx
+
+    from flsmem.harness.evaluate import make_policy
+    from flsmem.harness.ruler import protocols
+    from flsmem.models.decoder import Decoder, DecoderConfig
+
+    monkeypatch.setattr(protocols, "PREFILL_CHUNK", 8)
+    model = Decoder(DecoderConfig(**_GLOBAL), nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    prompts = [(rng.integers(0, 64, n).astype(np.int32), rng.integers(0, 64, q).astype(np.int32))
+               for n, q in ((80, 8), (75, 5), (83, 9))]
+    names = ["h2o", "oracle", "surprise_reserve"]
+    configs = [protocols.memory_config(make_policy(name, 24, model=model.cfg), 24, protocol, length=100,
+                                       evict_every=8, max_new=10) for name in names]
+    tables = [[protocols.answer_attention(model, *prompt, rng.integers(0, 64, 3), evict_every=8, width=104)
+               if name == "oracle" else None for name in names] for prompt in prompts]
+    alone = {(p, i): protocols.answer(model, config, *prompt, protocol=protocol, max_new=10, table=tables[p][i])
+             for p, prompt in enumerate(prompts) for i, config in enumerate(configs)}
+    # The first new token in the first prompt's answer under h2o ends it there.
+    first = alone[0, 0][0]
+    end = next(i for i, token in enumerate(first) if i and token not in first[:i])
+    eos = first[end]
+    alone = {(p, i): protocols.answer(model, config, *prompt, protocol=protocol, max_new=10, eos_id=eos,
+                                      table=tables[p][i])
+             for p, prompt in enumerate(prompts) for i, config in enumerate(configs)}
+    assert len(alone[0, 0][0]) == end and any(len(tokens) == 10 for tokens, _ in alone.values())
+
+    rows = []
+    decode = protocols._decode
+    monkeypatch.setattr(protocols, "_decode", lambda *args: rows.append(len(args[5])) or decode(*args))
+    together = {(p, i): (tokens, info) for p, i, tokens, info in protocols.batch_answers(
+        model, configs, prompts, protocol=protocol, max_new=10, eos_id=eos, tables=tables)}
+    assert together == alone
+    assert rows == [3, 3, 1, 1, 1]
+    assert all(info["evictions"] > 0 for _, info in together.values())
+
+
 BAD_ARGUMENTS = {
     "unknown task": (["--tasks", "niah_single_1,qa_1"], "--tasks"),
     "unknown policy": (["--policies", "h2o,lru"], "--policies"),
@@ -595,6 +647,7 @@ BAD_ARGUMENTS = {
     "no samples": (["--samples", "0"], "--samples"),
     "negative seed": (["--seed", "-1"], "--seed"),
     "evict_every zero": (["--evict-every", "0"], "--evict-every"),
+    "batch zero": (["--batch", "0"], "--batch"),
     "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
     "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
     "length past the model's context": (["--lengths", "512,100000"],

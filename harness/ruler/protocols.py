@@ -20,7 +20,9 @@ question (token ids); the memory keeps ``budget`` items per global layer and KV 
 
 Under the prefilling protocols nothing is evicted before the cut, so the prefill is
 the same forward pass whatever the policy and budget: :func:`answers` runs it once for
-several memories and gives each the answer a run of its own gives.
+several memories and gives each the answer a run of its own gives. After the prompt
+each memory decodes alone, one token a step; :func:`batch_answers` decodes several
+prompts' answers under one memory setting as one batch, a row per prompt.
 
 The correctness weight of each prediction is teacher-forced on the prompt (whether the
 argmax was the prompt's next token: the prompt is known when serving too) and, while
@@ -47,7 +49,7 @@ import flsmem
 from flsmem import policies as P
 from flsmem.models.decoder import Decoder, init_memories
 
-__all__ = ["PROTOCOLS", "PREFILL_CHUNK", "memory_config", "answer", "answers", "answer_attention"]
+__all__ = ["PROTOCOLS", "PREFILL_CHUNK", "memory_config", "answer", "answers", "batch_answers", "answer_attention"]
 
 PROTOCOLS = ("question-agnostic", "question-aware", "stream")
 # Tokens per prefill step: a step's attention is [layers, KV heads, chunk, slots], so
@@ -122,17 +124,8 @@ def answers(
     tables: list[np.ndarray | None] | None = None,
     resize: bool = True,
 ) -> Iterator[tuple[int, list[int], dict]]:
-    """:func:`answer` under each of ``configs``, the prefill shared where it can be.
-
-    Under a prefilling protocol the prefill is the same forward pass whatever the
-    policy and budget: nothing is evicted before the cut, so every memory holds the
-    whole prefix and the model's attention does not depend on the policy. So the
-    configs whose memories have the same shapes and schedule share one: the first of
-    them runs the model, and each of the others writes the same items into its own
-    memory (:func:`flsmem.place` with the items) and folds the same attention as its
-    own evidence. Their answers equal those of separate runs exactly (the same
-    operations on the same arrays); only the prefill's time is spent once. Streaming
-    evicts from the first chunk on, so there each config runs alone.
+    """:func:`answer` under each of ``configs``, the prefill shared where it can be:
+    :func:`batch_answers` of one prompt.
 
     Args:
       configs: the memories' settings, each from :func:`memory_config` for ``protocol``.
@@ -141,46 +134,96 @@ def answers(
       Others as in :func:`answer`.
 
     Yields:
-      ``(index, tokens, info)`` per config, ``index`` its place in ``configs``, group by
-      group (not in the order of ``configs``), each as soon as it is answered.
+      ``(index, tokens, info)`` per config, ``index`` its place in ``configs``.
+    """
+    for _, index, tokens, info in batch_answers(model, configs, [(context, question)], protocol=protocol,
+                                                max_new=max_new, eos_id=eos_id,
+                                                tables=None if tables is None else [tables], resize=resize):
+        yield index, tokens, info
+
+
+def batch_answers(
+    model: Decoder,
+    configs: list[flsmem.MemoryConfig],
+    prompts: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    protocol: str,
+    max_new: int,
+    eos_id: int | None = None,
+    tables: list[list[np.ndarray | None]] | None = None,
+    resize: bool = True,
+) -> Iterator[tuple[int, int, list[int], dict]]:
+    """:func:`answer` to each of ``prompts`` under each of ``configs``: a prompt's
+    prefill shared by the configs where it can be, and a config's answers to the
+    prompts decoded together, a batch row per prompt.
+
+    Under a prefilling protocol the prefill is the same forward pass whatever the
+    policy and budget: nothing is evicted before the cut, so every memory holds the
+    whole prefix and the model's attention does not depend on the policy. So the
+    configs whose memories have the same shapes and schedule share one: the first of
+    them runs the model, and each of the others writes the same items into its own
+    memory (:func:`flsmem.place` with the items) and folds the same attention as its
+    own evidence; every config then starts from a copy, so each prompt's prefill is
+    run once and held (a prompt-sized payload per prompt, not per config). Streaming
+    evicts from the first chunk on, so there each config reads each prompt alone.
+
+    Once past its prompt, each memory is a row of its config's batch: a decoding step
+    feeds every row its own token at its own position, and each row evicts on its own
+    schedule, so it answers as it would alone (to float rounding: the model's products
+    run over the batch). Rows stay alone where that would not hold: under a policy
+    that commits its scores whenever a row is due (``score_when_due``, which would
+    commit every row's), and where memories differ in shape.
+
+    Args:
+      configs: the memories' settings, each from :func:`memory_config` for ``protocol``.
+      prompts: ``(context, question)`` token ids per prompt, at least one token each.
+      tables: per prompt, the oracle's table for each config (None for a policy
+        without one); None for none at all.
+      Others as in :func:`answer`.
+
+    Yields:
+      ``(prompt, index, tokens, info)``, ``prompt`` a place in ``prompts`` and ``index``
+      in ``configs``, config by config, each batch as soon as it is answered.
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-    tables = [None] * len(configs) if tables is None else [None if t is None else jnp.asarray(t) for t in tables]
-    if len(tables) != len(configs):
-        raise ValueError(f"tables must give one table (or None) per config: {len(configs)}, got {len(tables)}")
-    prompt = np.concatenate([np.asarray(context), np.asarray(question)]).astype(np.int32)
+    tables = [[None] * len(configs) for _ in prompts] if tables is None else [
+        [None if t is None else jnp.asarray(t) for t in row] for row in tables]
+    if len(tables) != len(prompts) or any(len(row) != len(configs) for row in tables):
+        raise ValueError(f"tables must give one table (or None) per config ({len(configs)}) for each prompt "
+                         f"({len(prompts)})")
+    cuts = [{"question-agnostic": len(c), "question-aware": len(c) + len(q), "stream": 0}[protocol]
+            for c, q in prompts]
+    prompts = [np.concatenate([np.asarray(c), np.asarray(q)]).astype(np.int32) for c, q in prompts]
     graphdef, params = nnx.split(model)
-    cut = {"question-agnostic": len(context), "question-aware": len(prompt), "stream": 0}[protocol]
-
-    def finish(index, memories, logits):
-        feed = functools.partial(_feed_pieces, graphdef, params, prompt, tables[index])
-        step = configs[index].evict_every
-        if cut:
-            memories = _compress(memories)
-            if resize:
-                memories = _resize(memories, step)
-        memories, last = feed(memories, cut, len(prompt), (step, 1), "update")
-        tokens, memories = _decode(feed, memories, last if last is not None else logits, len(prompt), max_new, eos_id)
-        return index, tokens, {"evictions": int(jnp.sum(memories.evictable.stats.evictions))}
-
-    if not cut:
-        for index, config in enumerate(configs):
-            yield finish(index, _empty(model.cfg, config), None)
-        return
-    for group in _sharing(model.cfg, configs):
-        lead, others = group[0], group[1:]
-        memories = _empty(model.cfg, configs[lead])
-        followers = tuple(_empty(model.cfg, configs[i]).evictable.replace(payload=None) for i in others)
-        memories, followers, logits = _prefill(graphdef, params, prompt, cut, memories, followers,
-                                               [tables[i] for i in group], configs[lead].evict_every)
-        for index, follower in zip(others, followers):
-            # A memory of its own: each answer's steps update their memory in place.
-            payload = jax.tree.map(jnp.copy, memories.evictable.payload)
-            own = memories.replace(evictable=follower.replace(payload=payload),
-                                   windows=jax.tree.map(jnp.copy, memories.windows))
-            yield finish(index, own, logits)
-        yield finish(lead, memories, logits)
+    groups = _sharing(model.cfg, configs) if any(cuts) else []
+    prefills = [_prefills(graphdef, params, model.cfg, configs, groups, prompt, cut, row) if cut else None
+                for prompt, cut, row in zip(prompts, cuts, tables)]
+    for index, config in enumerate(configs):
+        step = config.evict_every
+        ready = []
+        for place, (prompt, cut) in enumerate(zip(prompts, cuts)):
+            if cut:
+                memories, logits = _own(prefills[place], index)
+                memories = _compress(memories)
+                if resize:
+                    memories = _resize(memories, step)
+            else:
+                memories, logits = _empty(model.cfg, config), None
+            memories, last = _feed_pieces(graphdef, params, prompts[place], tables[place][index], memories, cut,
+                                          len(prompt), (step, 1), "update")
+            ready.append((place, memories, last if last is not None else logits))
+        alone = config.policy.score_when_due or not _stackable(model.cfg, config)
+        for rows in _batches(ready, alone):
+            places = [place for place, _, _ in rows]
+            memories = _stack([m for _, m, _ in rows])
+            logits = jnp.concatenate([lg for _, _, lg in rows])
+            table = None if tables[places[0]][index] is None else jnp.concatenate(
+                [tables[place][index] for place in places], axis=1)
+            starts = np.asarray([len(prompts[place]) for place in places], np.int32)
+            answered = _decode(graphdef, params, memories, logits, table, starts, max_new, eos_id)
+            for place, (tokens, evictions) in zip(places, answered):
+                yield place, index, tokens, {"evictions": evictions}
 
 
 def _empty(cfg, config: flsmem.MemoryConfig):
@@ -239,18 +282,87 @@ def _follow(lead, followers, attention, weight, start, tables):
     return tuple(followed)
 
 
-def _decode(feed, memories, logits, start: int, max_new: int, eos_id: int | None):
-    """Greedy tokens after the prompt, each fed back with eviction when due."""
-    tokens: list[int] = []
-    while len(tokens) < max_new:
-        token = int(np.argmax(np.asarray(logits[0])))
-        if token == eos_id:
+def _prefills(graphdef, params, cfg, configs, groups, prompt, cut, tables) -> list[tuple]:
+    """``prompt[:cut]`` prefilled once for each group of configs that can share it
+    (:func:`_sharing`): per group, ``(group, the lead's memories, the others' evidence,
+    the logits after the last token)``."""
+    found = []
+    for group in groups:
+        memories = _empty(cfg, configs[group[0]])
+        followers = tuple(_empty(cfg, configs[i]).evictable.replace(payload=None) for i in group[1:])
+        found.append((group, *_prefill(graphdef, params, prompt, cut, memories, followers,
+                                       [tables[i] for i in group], configs[group[0]].evict_every)))
+    return found
+
+
+def _own(prefill, index: int):
+    """Config ``index``'s memories after a held prefill (a copy: the prefill serves
+    every config of its group) and the logits after its last token."""
+    for group, memories, followers, logits in prefill:
+        if index in group:
+            at = group.index(index)
+            if at == 0:
+                return jax.tree.map(jnp.copy, memories), logits
+            payload = jax.tree.map(jnp.copy, memories.evictable.payload)
+            return memories.replace(evictable=followers[at - 1].replace(payload=payload),
+                                    windows=jax.tree.map(jnp.copy, memories.windows)), logits
+    raise ValueError(f"config {index} is in no group of the prefill")
+
+
+def _stackable(cfg, config: flsmem.MemoryConfig) -> bool:
+    """Whether every array of ``config``'s memories has its batch rows on axis 1 (after
+    the layers), so that one-row memories stack into a batch."""
+    one, two = (jax.tree.leaves(jax.eval_shape(lambda b=b: init_memories(cfg, config, b))) for b in (1, 2))
+    return all(len(a.shape) > 1 and a.shape[1] == 1 and b.shape == a.shape[:1] + (2,) + a.shape[2:]
+               for a, b in zip(one, two))
+
+
+def _batches(ready, alone: bool) -> list[list]:
+    """``(place, memories, logits)`` rows grouped into batches: rows whose memories have
+    the same structure and shapes together, or each alone."""
+    if alone:
+        return [[row] for row in ready]
+    found: dict = {}
+    for row in ready:
+        leaves = jax.tree.leaves(row[1])
+        found.setdefault((jax.tree.structure(row[1]), tuple(leaf.shape for leaf in leaves)), []).append(row)
+    return list(found.values())
+
+
+def _stack(memories: list):
+    """One-row memories as one batch, row after row (axis 1 of every array)."""
+    if len(memories) == 1:
+        return memories[0]
+    return jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=1), *memories)
+
+
+def _decode(graphdef, params, memories, logits, table, starts: np.ndarray, max_new: int, eos_id: int | None
+            ) -> list[tuple[list[int], int]]:
+    """Greedy tokens after each row's prompt (``starts``: its length), fed back with
+    eviction when due, and the items each row's memories evicted. A row that has
+    ended is read then and fed on with the others (its tokens no longer count)."""
+    rows = len(starts)
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    evictions: list[int | None] = [None] * rows
+    for fed in range(max_new + 1):
+        chosen = np.argmax(np.asarray(logits), axis=-1).astype(np.int32)
+        ended = []
+        for row in range(rows):
+            if evictions[row] is not None:
+                continue
+            if len(tokens[row]) < max_new and chosen[row] != eos_id:
+                tokens[row].append(int(chosen[row]))
+            if len(tokens[row]) == max_new or chosen[row] == eos_id:
+                ended.append(row)
+        if ended:
+            counts = np.asarray(jnp.sum(memories.evictable.stats.evictions, axis=0))
+            for row in ended:
+                evictions[row] = int(counts[row])
+        if all(count is not None for count in evictions):
             break
-        tokens.append(token)
-        if len(tokens) < max_new:
-            memories, logits = feed(memories, start, start + 1, (1,), "update", forced=[token])
-            start += 1
-    return tokens, memories
+        memories, logits = _feed(graphdef, params, memories, jnp.asarray(chosen[:, None]),
+                                 jnp.full((rows, 1), -1, jnp.int32), jnp.asarray(starts + fed), table, fold="update")
+    return list(zip(tokens, evictions))
 
 
 @functools.partial(jax.jit, donate_argnames=("memories",))
@@ -288,17 +400,14 @@ def _pieces(start: int, stop: int, sizes: tuple[int, ...]) -> list[tuple[int, in
     return found
 
 
-def _feed_pieces(graphdef, params, prompt, table, memories, start, stop, sizes, fold, forced=None, known=None):
-    """Feed ``prompt[start:stop]`` (or the ``forced`` tokens at ``start``) piece by
-    piece; returns the memories and the logits after the last token (None if none).
+def _feed_pieces(graphdef, params, prompt, table, memories, start, stop, sizes, fold, known=None):
+    """Feed ``prompt[start:stop]`` piece by piece; returns the memories and the logits
+    after the last token (None if none).
     Each prediction's target is the next token of ``prompt[:known]`` (all of it if
     None), and -1 (none) past it."""
     logits = None
     for begin, size in _pieces(start, stop, sizes):
-        if forced is None:
-            tokens, targets = prompt[begin:begin + size], _targets(prompt[:known], begin, size)
-        else:
-            tokens, targets = np.asarray(forced, np.int32), np.full(size, -1)
+        tokens, targets = prompt[begin:begin + size], _targets(prompt[:known], begin, size)
         memories, logits = _feed(graphdef, params, memories, jnp.asarray(tokens)[None], jnp.asarray(targets)[None],
                                  begin, table, fold=fold)
     return memories, logits
@@ -314,9 +423,10 @@ def _targets(known: np.ndarray, begin: int, size: int) -> np.ndarray:
 def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold, keep=False):
     """One piece through the decoder, its attention folded as ``fold`` says: "observe"
     (evidence only) or "update" (evicting when due). With ``keep`` it returns the
-    attention and the correctness weights too, for followers to fold."""
+    attention and the correctness weights too, for followers to fold. ``start``: the
+    first token's position, one for every row or ``[B]``, one per row."""
     model = nnx.merge(graphdef, params)
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    positions = jnp.reshape(start, (-1, 1)) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, memories, attention = model(tokens, positions, memories)
     logp = jax.nn.log_softmax(logits, axis=-1)
     hit = (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)

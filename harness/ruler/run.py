@@ -9,12 +9,14 @@ protocol: it is computed once per sample and recorded for each protocol at budge
 and a protocol added to a file that holds the full cache's answer under another one
 copies that answer rather than computing it again. Under the prefilling protocols
 nothing is evicted before the cut, so the prefill is the same forward pass for every
-policy and budget: the runner answers those sample by sample, every policy and budget
-of a sample sharing one prefill (:func:`.protocols.answers`; the answers are those of
-separate runs), and streaming policy by policy.
+policy and budget: the runner answers those a few samples at a time, every policy and
+budget of a sample sharing one prefill, and streaming policy by policy. The samples of
+a task answered together (``--batch``) decode as one batch under each policy and
+budget (:func:`.protocols.batch_answers`; the answers are those of separate runs).
 
-Each answer is appended at once as one JSON line to ``--out``; a run given the same
-file skips what it holds, so an interrupted run resumes where it stopped. ``--shard K/N``
+The answers of a batch are appended as one JSON line each to ``--out`` as soon as it
+is answered; a run given the same file skips what it holds, so an interrupted run
+resumes where it stopped. ``--shard K/N``
 answers every N-th job of the plan, from the K-th: N processes (one per core, or per
 accelerator) given the same plan and file share its work, each appending whole lines.
 The report (:mod:`.report`) is written next to the file at the end, or alone with
@@ -75,6 +77,8 @@ class Plan:
         order is K modulo N; the place counts the jobs already answered too, so a shard
         resumes the same jobs. A prefill is shared by the policies of a sample that
         one shard answers.
+      batch: samples of a task answered together: each policy and budget decodes
+        their answers as one batch.
     """
 
     model: str
@@ -88,6 +92,7 @@ class Plan:
     evict_every: int = 16
     estimator: str | None = None
     shard: tuple[int, int] = (0, 1)
+    batch: int = 8
 
 
 def _done(out: Path) -> dict[tuple, dict]:
@@ -173,48 +178,63 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
     if model is None:
         model, _ = catalog.load(plan.model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # The full cache and streaming run policy by policy; the prefilling protocols run
-    # sample by sample, every policy and budget of a sample sharing one prefill.
-    alone = [(policy, sample, [(p, b) for p, b in arms if policy == "full" or p == "stream"])
-             for policy, sample, arms in jobs]
-    together: dict[tuple, tuple[dict, list]] = {}
-    for policy, sample, arms in jobs:
-        for protocol, budget in arms:
-            if policy != "full" and protocol != "stream":
-                key = (sample["task"], sample["length"], sample["index"], protocol)
-                together.setdefault(key, (sample, []))[1].append((policy, budget))
     bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
     answerer = Answerer(plan, model, tokenizer)
-
-    def save(rows):
-        nonlocal written
-        for row in rows:
-            _append(out, row)
-            written += 1
-            bar.set_postfix_str(f"{row['policy']} {row['task']} {row['protocol']} {row['budget']:g}", refresh=False)
-            bar.update(1)
-
     last_policy = None
-    for policy, sample, arms in alone:
-        if arms and policy != last_policy:
+    for policy, protocol, arms, copies, samples in _units(jobs):
+        if policy != last_policy:
             answerer.forget()
             last_policy = policy
-        if arms:
-            save(answerer.rows(policy, sample, arms))
-    for (*_, protocol), (sample, arms) in together.items():
-        save(answerer.shared_rows(sample, protocol, arms))
+        for begin in range(0, len(samples), plan.batch):
+            for row in answerer.answer(samples[begin:begin + plan.batch], protocol, arms):
+                for copy in copies:
+                    _append(out, {**row, "protocol": copy})
+                    written += 1
+                    bar.set_postfix_str(f"{row['policy']} {row['task']} {copy} {row['budget']:g}", refresh=False)
+                    bar.update(1)
     bar.close()
     return written
 
 
+def _units(jobs: list[tuple[str, dict, list[tuple[str, float]]]]
+           ) -> list[tuple[str | None, str, list[tuple[str, float]], tuple[str, ...], list[dict]]]:
+    """The jobs as ``(policy, protocol, arms, copies, samples)``: the ``(policy, budget)``
+    pairs of ``arms`` answer ``samples`` (of one task and length) under ``protocol``,
+    each answer recorded under every protocol of ``copies``. The full cache answers once
+    for all the protocols it is asked under; streaming runs policy by policy (``policy``
+    names it); under a prefilling protocol every policy and budget of a sample shares
+    its prefill (``policy`` None), and the samples of a task with the same arms go
+    together."""
+    units: dict[tuple, list] = {}
+    for policy, sample, arms in jobs:
+        where = (sample["task"], sample["length"])
+        if policy == "full":
+            copies = tuple(p for p, _ in arms)
+            units.setdefault(("full", copies, where), ["full", copies[0], [("full", 1.0)], copies, []])[-1].append(sample)
+            continue
+        streamed = [(policy, b) for p, b in arms if p == "stream"]
+        if streamed:
+            units.setdefault((policy, tuple(streamed), where), [policy, "stream", streamed, ("stream",), []]
+                             )[-1].append(sample)
+    prefilled: dict[tuple, tuple[dict, list]] = {}
+    for policy, sample, arms in jobs:
+        for protocol, budget in arms:
+            if policy != "full" and protocol != "stream":
+                key = (protocol, sample["task"], sample["length"], sample["index"])
+                prefilled.setdefault(key, (sample, []))[1].append((policy, budget))
+    for (protocol, task, length, _), (sample, arms) in prefilled.items():
+        units.setdefault((protocol, task, length, tuple(arms)), [None, protocol, arms, (protocol,), []])[-1].append(sample)
+    return [tuple(unit) for unit in units.values()]
+
+
 class Answerer:
-    """Answers of one model: builds policies and memory settings, caches the oracle's
+    """Answers of one model: builds policies and memory settings, makes the oracle's
     table of each sample, and frees compiled programs between policies."""
 
     def __init__(self, plan: Plan, model, tokenizer):
         self.plan, self.model, self.tokenizer = plan, model, tokenizer
         self.estimator = str(_estimator(plan))
-        self._table = (None, None)
+        self._tables: dict[tuple, np.ndarray] = {}
 
     def forget(self) -> None:
         import jax
@@ -222,25 +242,39 @@ class Answerer:
         # Each policy compiles programs of its own; the next policy needs none of them.
         jax.clear_caches()
 
-    def rows(self, policy: str, sample: dict, arms: list[tuple[str, float]]) -> Iterator[dict]:
-        """A row per ``(protocol, budget)`` of ``arms``; the full cache answers once."""
-        ids = self.ids(sample)
-        table = self.oracle_table(sample, ids) if policy == "oracle" else None
-        shared = None
-        for protocol, budget in arms:
-            if policy == "full" and shared is not None:
-                yield {**shared, "protocol": protocol}
-                continue
-            row = next(self._answers(sample, ids, protocol, [(policy, budget)], [table]))
-            shared = row
-            yield row
+    def answer(self, samples: list[dict], protocol: str, arms: list[tuple[str, float]]) -> list[dict]:
+        """A row per sample and ``(policy, budget)`` of ``arms`` under ``protocol``: a
+        sample's prefill shared by the arms where it can be, an arm's answers to the
+        samples decoded as one batch (:func:`~flsmem.harness.ruler.protocols.batch_answers`).
+        The samples are of one task and length. Each row's ``seconds`` is its share of
+        the whole call's time, ``batch`` the samples answered together."""
+        from flsmem.harness.ruler.protocols import batch_answers
+        from flsmem.harness.ruler.score import score
 
-    def shared_rows(self, sample: dict, protocol: str, arms: list[tuple[str, float]]) -> Iterator[dict]:
-        """A row per ``(policy, budget)`` of ``arms`` under a prefilling ``protocol``, one
-        prefill shared by all (:func:`~flsmem.harness.ruler.protocols.answers`)."""
-        ids = self.ids(sample)
-        tables = [self.oracle_table(sample, ids) if policy == "oracle" else None for policy, _ in arms]
-        yield from self._answers(sample, ids, protocol, arms, tables)
+        plan = self.plan
+        begin = time.perf_counter()
+        ids = [self.ids(sample) for sample in samples]
+        tables = [[self.oracle_table(sample, i) if policy == "oracle" else None for policy, _ in arms]
+                  for sample, i in zip(samples, ids)]
+        budgets, configs = self.configs(arms, protocol, samples[0]["length"])
+        rows = []
+        for place, index, generated, info in batch_answers(
+                self.model, configs, ids, protocol=protocol, max_new=samples[0]["max_new_tokens"],
+                eos_id=self.tokenizer.eos_id, tables=tables):
+            sample, (policy, budget) = samples[place], arms[index]
+            prediction = self.tokenizer.decode(np.asarray(generated, np.int32))
+            rows.append({
+                "model": plan.model, **{k: sample[k] for k in ("task", "length", "index", "seed")},
+                "policy": policy, "protocol": protocol, "budget": budget, "evict_every": plan.evict_every,
+                "budget_tokens": budgets[index] if policy != "full" else None,
+                "prompt_tokens": sum(len(i) for i in ids[place]),
+                "prediction": prediction, "answers": sample["answers"],
+                "score": score(sample["task"], prediction, sample["answers"]),
+                "generated_tokens": len(generated), "evictions": info["evictions"],
+                **({"estimator": Path(self.estimator).name} if "learned" in policy else {}),
+            })
+        seconds = round((time.perf_counter() - begin) / max(1, len(rows)), 3)
+        return [{**row, "seconds": seconds, "batch": len(samples)} for row in rows]
 
     def configs(self, arms: list[tuple[str, float]], protocol: str, length: int) -> tuple[list[int], list]:
         """The budget in items and the memory settings of each ``(policy, fraction)`` of
@@ -257,44 +291,19 @@ class Answerer:
             ids[0] = np.concatenate([[self.tokenizer.bos_id], ids[0]]).astype(np.int32)
         return ids
 
-    def _answers(self, sample, ids, protocol, arms, tables) -> Iterator[dict]:
-        """A row per ``(policy, budget)`` of ``arms``, in the order answered. An answer's
-        seconds run from the previous one's end, so the first of a shared prefill
-        carries the prefill's time."""
-        from flsmem.harness.ruler.protocols import answers
-        from flsmem.harness.ruler.score import score
-
-        plan = self.plan
-        budgets, configs = self.configs(arms, protocol, sample["length"])
-        begin = time.perf_counter()
-        for index, generated, info in answers(self.model, configs, *ids, protocol=protocol,
-                                              max_new=sample["max_new_tokens"], eos_id=self.tokenizer.eos_id,
-                                              tables=tables):
-            (policy, budget), tokens = arms[index], budgets[index]
-            prediction = self.tokenizer.decode(np.asarray(generated, np.int32))
-            now = time.perf_counter()
-            yield {
-                "model": plan.model, **{k: sample[k] for k in ("task", "length", "index", "seed")},
-                "policy": policy, "protocol": protocol, "budget": budget, "evict_every": plan.evict_every,
-                "budget_tokens": tokens if policy != "full" else None, "prompt_tokens": sum(len(i) for i in ids),
-                "prediction": prediction, "answers": sample["answers"],
-                "score": score(sample["task"], prediction, sample["answers"]),
-                "generated_tokens": len(generated), "evictions": info["evictions"],
-                "seconds": round(now - begin, 3),
-                **({"estimator": Path(self.estimator).name} if "learned" in policy else {}),
-            }
-            begin = now
-
     def oracle_table(self, sample, ids) -> np.ndarray:
-        """The oracle's table of ``sample`` (the last one is kept: every arm of a sample asks)."""
+        """The oracle's table of ``sample`` (those of the last batch are kept: a
+        sample's arms may come in several calls)."""
         from flsmem.harness.ruler.protocols import answer_attention
 
         key = (sample["task"], sample["length"], sample["index"], sample["seed"])
-        if self._table[0] != key:
+        if key not in self._tables:
+            if len(self._tables) >= self.plan.batch:
+                self._tables.clear()
             gold = np.asarray(self.tokenizer.encode(" " + ", ".join(sample["answers"]) + "."), np.int32)
-            self._table = (key, answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
-                                                 width=sample["length"] + 1 + MAX_NEW))
-        return self._table[1]
+            self._tables[key] = answer_attention(self.model, *ids, gold, evict_every=self.plan.evict_every,
+                                                 width=sample["length"] + 1 + MAX_NEW)
+        return self._tables[key]
 
 
 def _budget_tokens(fraction: float, length: int) -> int:
@@ -346,6 +355,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", default="0/1", metavar="K/N",
                         help="answer every N-th job (a policy and a sample) from the K-th, so that N processes given "
                              "the same arguments share one run and one --out")
+    parser.add_argument("--batch", type=int, default=Plan.batch,
+                        help="samples of a task answered together, each policy and budget decoding them as one batch "
+                             "(the answers are those of one at a time; a larger batch holds more prefills)")
     parser.add_argument("--report", action="store_true", help="measure nothing: write the report from --out")
 
 
@@ -408,7 +420,7 @@ def check_arguments(args: argparse.Namespace) -> tuple[Plan, Path]:
         budgets=_fractions(args.budgets), protocols=_names("--protocols", args.protocols, PROTOCOLS),
         samples=positive_int("--samples", args.samples), seed=nonneg_int("--seed", args.seed),
         evict_every=positive_int("--evict-every", args.evict_every), estimator=args.estimator,
-        shard=_shard(args.shard))
+        shard=_shard(args.shard), batch=positive_int("--batch", args.batch))
     check_estimator(plan.estimator)
     check_policies("--policies", plan.policies, _budget_tokens(min(plan.budgets), min(plan.lengths)))
     pyramids = [p for p in plan.policies if "pyramid(" in p]
