@@ -277,13 +277,13 @@ RULER_SPEEDS = {
 def ruler_speed_section(title: str, text: str, column: str, records) -> list[str]:
     batched = any("batch" in record for record in records)
     counted = any("answers_differing" in record for record in records)
-    head = ["model", "length", "protocol", "arms"] + (["samples a round"] if batched else []) + [column, "rounds"] + (
+    head = ["model", "length", "task", "protocol", "arms"] + (["samples a round"] if batched else []) + [column, "rounds"] + (
         ["answers that differ"] if counted else [])
     lines = [f"## {title}", "", text, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for record in records:
         arms = ", ".join(f"{policy} {budget:g}" for policy, budget in record["arms"])
         r = record["speedup"]
-        cells = [record["model"], str(record["length"]), record["protocol"], arms]
+        cells = [record["model"], str(record["length"]), record.get("task", "–"), record["protocol"], arms]
         cells += [str(record.get("batch", 1))] if batched else []
         cells += [f"x{r['median']:.2f} (x{r['low']:.2f} .. x{r['high']:.2f})", str(len(r["rounds"]))]
         cells += [f"{record['answers_differing']} of {record['answers']}"] if counted else []

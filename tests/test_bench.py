@@ -228,7 +228,7 @@ def test_ruler_share_times_shared_and_separate_answers_and_the_report_shows_them
     record = json.loads((results / "ruler-share.json").read_text())
     assert record["arms"] == [["h2o", 0.25], ["streaming_llm", 0.25]] and record["speedup"]["median"] > 0
     assert "speed-up of sharing the prefill" in capsys.readouterr().out
-    assert "| tiny | 512 | question-agnostic | h2o 0.25, streaming_llm 0.25 | x" in report.build()
+    assert "| tiny | 512 | niah_single_2 | question-agnostic | h2o 0.25, streaming_llm 0.25 | x" in report.build()
 
 
 def test_ruler_resize_times_the_cut_memory_both_ways_and_the_report_shows_them(results, capsys):
@@ -237,7 +237,7 @@ def test_ruler_resize_times_the_cut_memory_both_ways_and_the_report_shows_them(r
     assert record["arms"] == [["h2o", 0.25], ["snapkv", 0.25]] and record["speedup"]["median"] > 0
     assert record["answers"] == 4 and 0 <= record["answers_differing"] <= 4
     assert "speed-up of resizing the cut memory" in capsys.readouterr().out
-    assert "| tiny | 512 | question-agnostic | h2o 0.25, snapkv 0.25 | x" in report.build()
+    assert "| tiny | 512 | niah_single_2 | question-agnostic | h2o 0.25, snapkv 0.25 | x" in report.build()
 
 
 
@@ -248,7 +248,7 @@ def test_ruler_batch_times_batched_and_one_at_a_time_answers_and_the_report_show
     assert record["arms"] == [["h2o", 0.25], ["oracle", 0.25]] and record["speedup"]["median"] > 0
     assert record["batch"] == 2 and record["answers"] == 8 and 0 <= record["answers_differing"] <= 8
     assert "speed-up of decoding 2 samples as a batch" in capsys.readouterr().out
-    assert "| tiny | 512 | question-agnostic | h2o 0.25, oracle 0.25 | 2 | x" in report.build()
+    assert "| tiny | 512 | niah_single_2 | question-agnostic | h2o 0.25, oracle 0.25 | 2 | x" in report.build()
     with pytest.raises(SystemExit):
         ruler_batch.main(["--model", "tiny", "--length", "512", "--batch", "1"])
 
