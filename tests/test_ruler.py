@@ -595,8 +595,9 @@ def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, mon
     """Three prompts of different lengths answered together: each config's rows decode
     as one batch (each at its own positions, evicting on its own schedule) and give
     each prompt the tokens and evictions it gets alone, one row ending early at the end
-    token; the oracle reads each prompt's own table; surprise_reserve, which commits
-    scores whenever a row is due, decodes its rows one at a time."""
+    token; streamed, the prompts' common stretch is fed as one batch too; the oracle
+    reads each prompt's own table; surprise_reserve, which commits scores whenever a row
+    is due, answers each prompt alone."""
     from flax import nnx
 
     from flsmem.harness.evaluate import make_policy
@@ -624,13 +625,17 @@ def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, mon
              for p, prompt in enumerate(prompts) for i, config in enumerate(configs)}
     assert len(alone[0, 0][0]) == end and any(len(tokens) == 10 for tokens, _ in alone.values())
 
-    rows = []
-    decode = protocols._decode
+    rows, fed = [], []
+    decode, feed = protocols._decode, protocols._feed
     monkeypatch.setattr(protocols, "_decode", lambda *args: rows.append(len(args[5])) or decode(*args))
+    monkeypatch.setattr(protocols, "_feed", lambda *args, **kw: fed.append(args[3].shape) or feed(*args, **kw))
     together = {(p, i): (tokens, info) for p, i, tokens, info in protocols.batch_answers(
         model, configs, prompts, protocol=protocol, max_new=10, eos_id=eos, tables=tables)}
     assert together == alone
     assert rows == [3, 3, 1, 1, 1]
+    # Streamed, h2o and the oracle feed the 80 tokens all three prompts have as ten
+    # pieces of 8 for the three rows; a prefill reads each prompt alone.
+    assert fed.count((3, 8)) == (20 if protocol == "stream" else 0)
     assert all(info["evictions"] > 0 for _, info in together.values())
 
 

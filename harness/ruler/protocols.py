@@ -22,7 +22,8 @@ Under the prefilling protocols nothing is evicted before the cut, so the prefill
 the same forward pass whatever the policy and budget: :func:`answers` runs it once for
 several memories and gives each the answer a run of its own gives. After the prompt
 each memory decodes alone, one token a step; :func:`batch_answers` decodes several
-prompts' answers under one memory setting as one batch, a row per prompt.
+prompts' answers under one memory setting as one batch, a row per prompt, and streams
+the stretch that the prompts have in common as one batch too.
 
 The correctness weight of each prediction is teacher-forced on the prompt (whether the
 argmax was the prompt's next token: the prompt is known when serving too) and, while
@@ -165,7 +166,8 @@ def batch_answers(
     memory (:func:`flsmem.place` with the items) and folds the same attention as its
     own evidence; every config then starts from a copy, so each prompt's prefill is
     run once and held (a prompt-sized payload per prompt, not per config). Streaming
-    evicts from the first chunk on, so there each config reads each prompt alone.
+    evicts from the first chunk on, so nothing is shared there; instead each config
+    streams the stretch that all the prompts have as one batch, a row per prompt.
 
     Once past its prompt, each memory is a row of its config's batch: a decoding step
     feeds every row its own token at its own position, and each row evicts on its own
@@ -201,19 +203,26 @@ def batch_answers(
                 for prompt, cut, row in zip(prompts, cuts, tables)]
     for index, config in enumerate(configs):
         step = config.evict_every
+        alone = config.policy.score_when_due or not _stackable(model.cfg, config)
+        column = [row[index] for row in tables]
+        together = None
+        if not any(cuts) and not alone and len(prompts) > 1 and len({t is None for t in column}) == 1:
+            together = _stream_together(graphdef, params, model.cfg, config, prompts, column)
         ready = []
         for place, (prompt, cut) in enumerate(zip(prompts, cuts)):
-            if cut:
+            start = cut
+            if together is not None:
+                start, (memories, logits) = together[0], together[1][place]
+            elif cut:
                 memories, logits = _own(prefills[place], index)
                 memories = _compress(memories)
                 if resize:
                     memories = _resize(memories, step)
             else:
                 memories, logits = _empty(model.cfg, config), None
-            memories, last = _feed_pieces(graphdef, params, prompts[place], tables[place][index], memories, cut,
+            memories, last = _feed_pieces(graphdef, params, prompts[place], tables[place][index], memories, start,
                                           len(prompt), (step, 1), "update")
             ready.append((place, memories, last if last is not None else logits))
-        alone = config.policy.score_when_due or not _stackable(model.cfg, config)
         for rows in _batches(ready, alone):
             places = [place for place, _, _ in rows]
             memories = _stack([m for _, m, _ in rows])
@@ -226,11 +235,33 @@ def batch_answers(
                 yield place, index, tokens, {"evictions": evictions}
 
 
-def _empty(cfg, config: flsmem.MemoryConfig):
-    """Empty memories for one answer. A prefilling config's ``max_chunk`` makes the
+def _empty(cfg, config: flsmem.MemoryConfig, rows: int = 1):
+    """Empty memories for ``rows`` answers. A prefilling config's ``max_chunk`` makes the
     global layers hold the whole prompt until the cut; the local layers' windows evict
     as they go, so theirs is the largest piece fed, whatever the budget."""
-    return init_memories(cfg, config, 1, window_chunk=min(config.max_chunk, max(PREFILL_CHUNK, config.evict_every)))
+    return init_memories(cfg, config, rows, window_chunk=min(config.max_chunk, max(PREFILL_CHUNK, config.evict_every)))
+
+
+def _stream_together(graphdef, params, cfg, config, prompts, tables) -> tuple[int, list[tuple]]:
+    """The stretch of the prompts that all of them have, in whole pieces of
+    ``evict_every`` tokens, streamed under ``config`` as one batch, a row per prompt.
+    Each row is fed the pieces its prompt is fed alone and evicts on its own, so it
+    holds what it would alone (to float rounding); a piece's weights are read once for
+    every row. Returns where each prompt goes on from, and per prompt its one-row
+    memories and the logits after the stretch's last token (None for no stretch)."""
+    step, rows = config.evict_every, len(prompts)
+    common = min(len(prompt) for prompt in prompts) // step * step
+    memories, logits = _empty(cfg, config, rows), None
+    table = None if tables[0] is None else jnp.concatenate(tables, axis=1)
+    starts = jnp.zeros(rows, jnp.int32)
+    for begin, size in _pieces(0, common, (step,)):
+        tokens = np.stack([prompt[begin:begin + size] for prompt in prompts])
+        targets = np.stack([_targets(prompt, begin, size) for prompt in prompts])
+        memories, logits = _feed(graphdef, params, memories, jnp.asarray(tokens), jnp.asarray(targets),
+                                 starts + begin, table, fold="update")
+    split = [(jax.tree.map(lambda x, r=r: x[:, r:r + 1], memories), None if logits is None else logits[r:r + 1])
+             for r in range(rows)]
+    return common, split
 
 
 def _sharing(cfg, configs) -> list[list[int]]:
