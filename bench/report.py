@@ -261,11 +261,12 @@ RULER_SPEEDS = {
         "with it left at the prompt's size, back to back in alternating order after a warm-up that "
         "compiles both. The attention then sums over fewer slots, so the two agree to float rounding; the "
         "answers that differ are counted.", "prompt-sized / resized"),
-    ("ruler-batch", "ruler-batch-fwe"): (
+    ("ruler-batch", "ruler-batch-fwe", "ruler-batch-stream"): (
         "RULER: a batch of samples decoded together",
         "`flsmem ruler --batch K` answers K samples of a task in one call "
         "(`flsmem.harness.ruler.protocols.batch_answers`): each sample's prefill shared by the arms, then "
-        "each arm's K answers decoded as one batch, a row per sample at its own positions. Each round is K "
+        "each arm's K answers decoded as one batch, a row per sample at its own positions; streamed, each "
+        "arm also feeds the stretch that the K prompts have in common as one batch. Each round is K "
         "RULER samples: every arm's answers so, against the same samples answered one at a time (each "
         "sharing its prefill), back to back in alternating order after a warm-up round that compiles both. "
         "The model's products then run over the batch, so the two agree to float rounding; the answers "

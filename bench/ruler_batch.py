@@ -1,6 +1,7 @@
 """What decoding a batch of samples saves ``flsmem ruler``: several samples' answers
-decoded together under each policy and budget against the same samples answered one
-at a time.
+decoded together under each policy and budget (streamed, the stretch of the prompts
+that all of them have fed together too) against the same samples answered one at a
+time.
 
 ``flsmem ruler --batch K`` answers K samples of a task in one call
 (:func:`flsmem.harness.ruler.protocols.batch_answers`): each sample's prefill shared by
@@ -13,6 +14,7 @@ the two times in each round (never a bare time).
 
     python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2      # SmolLM2, 1,024 tokens, niah_single_2
     python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2 --task fwe --out ruler-batch-fwe
+    python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2 --protocol stream --out ruler-batch-stream
 """
 
 from __future__ import annotations

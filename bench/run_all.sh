@@ -38,6 +38,7 @@ $python -m bench.ruler_resize --cores 1
 $python -m bench.ruler_resize --cores 1 --length 4096 --rounds 2 --out ruler-resize-4k
 $python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2
 $python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2 --task fwe --out ruler-batch-fwe
+$python -m bench.ruler_batch --cores 1 --batch 4 --rounds 2 --protocol stream --out ruler-batch-stream
 $python -m bench.pyref --cores 1
 $python -m bench.step_trace --cores 1
 # What a fold of several evidence columns pays for their layout (the Kalman filter's).
