@@ -595,7 +595,7 @@ def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, mon
     """Three prompts of different lengths answered together: each config's rows decode
     as one batch (each at its own positions, evicting on its own schedule) and give
     each prompt the tokens and evictions it gets alone, one row ending early at the end
-    token; streamed, the prompts' common stretch is fed as one batch too; the oracle
+    token; the pieces of the prompts they have alike are fed as one batch too; the oracle
     reads each prompt's own table; surprise_reserve, which commits scores whenever a row
     is due, answers each prompt alone."""
     from flax import nnx
@@ -608,7 +608,7 @@ def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, mon
     model = Decoder(DecoderConfig(**_GLOBAL), nnx.Rngs(0))
     rng = np.random.default_rng(2)
     prompts = [(rng.integers(0, 64, n).astype(np.int32), rng.integers(0, 64, q).astype(np.int32))
-               for n, q in ((80, 8), (75, 5), (83, 9))]
+               for n, q in ((80, 9), (75, 10), (83, 11))]
     names = ["h2o", "oracle", "surprise_reserve"]
     configs = [protocols.memory_config(make_policy(name, 24, model=model.cfg), 24, protocol, length=100,
                                        evict_every=8, max_new=10) for name in names]
@@ -633,9 +633,11 @@ def test_answers_decoded_as_a_batch_are_those_of_each_prompt_alone(protocol, mon
         model, configs, prompts, protocol=protocol, max_new=10, eos_id=eos, tables=tables)}
     assert together == alone
     assert rows == [3, 3, 1, 1, 1]
-    # Streamed, h2o and the oracle feed the 80 tokens all three prompts have as ten
-    # pieces of 8 for the three rows; a prefill reads each prompt alone.
-    assert fed.count((3, 8)) == (20 if protocol == "stream" else 0)
+    # h2o and the oracle feed the pieces of 8 that all three prompts (89, 85 and 94
+    # tokens) have alike as three rows: streamed the first ten, cut before the question
+    # each question's first (questions of 9, 10 and 11 tokens); a prefill reads each
+    # prompt alone.
+    assert fed.count((3, 8)) == (20 if protocol == "stream" else 2)
     assert all(info["evictions"] > 0 for _, info in together.values())
 
 

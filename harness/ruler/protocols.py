@@ -22,8 +22,9 @@ Under the prefilling protocols nothing is evicted before the cut, so the prefill
 the same forward pass whatever the policy and budget: :func:`answers` runs it once for
 several memories and gives each the answer a run of its own gives. After the prompt
 each memory decodes alone, one token a step; :func:`batch_answers` decodes several
-prompts' answers under one memory setting as one batch, a row per prompt, and streams
-the stretch that the prompts have in common as one batch too.
+prompts' answers under one memory setting as one batch, a row per prompt, and feeds
+the pieces of their prompts that they have alike (the stream's first pieces, the
+questions' after the cut) as one batch too.
 
 The correctness weight of each prediction is teacher-forced on the prompt (whether the
 argmax was the prompt's next token: the prompt is known when serving too) and, while
@@ -166,8 +167,12 @@ def batch_answers(
     memory (:func:`flsmem.place` with the items) and folds the same attention as its
     own evidence; every config then starts from a copy, so each prompt's prefill is
     run once and held (a prompt-sized payload per prompt, not per config). Streaming
-    evicts from the first chunk on, so nothing is shared there; instead each config
-    streams the stretch that all the prompts have as one batch, a row per prompt.
+    evicts from the first chunk on, so nothing is shared there.
+
+    After the cut (from the first token, streamed) each config feeds the rest of every
+    prompt in pieces of ``evict_every`` tokens and then single tokens; the pieces that
+    all the prompts have alike in size, from the first, go as one batch, a row per
+    prompt at its own positions.
 
     Once past its prompt, each memory is a row of its config's batch: a decoding step
     feeds every row its own token at its own position, and each row evicts on its own
@@ -204,25 +209,21 @@ def batch_answers(
     for index, config in enumerate(configs):
         step = config.evict_every
         alone = config.policy.score_when_due or not _stackable(model.cfg, config)
-        column = [row[index] for row in tables]
-        together = None
-        if not any(cuts) and not alone and len(prompts) > 1 and len({t is None for t in column}) == 1:
-            together = _stream_together(graphdef, params, model.cfg, config, prompts, column)
-        ready = []
-        for place, (prompt, cut) in enumerate(zip(prompts, cuts)):
-            start = cut
-            if together is not None:
-                start, (memories, logits) = together[0], together[1][place]
-            elif cut:
+        held = []
+        for place, cut in enumerate(cuts):
+            if cut:
                 memories, logits = _own(prefills[place], index)
                 memories = _compress(memories)
                 if resize:
                     memories = _resize(memories, step)
             else:
                 memories, logits = _empty(model.cfg, config), None
-            memories, last = _feed_pieces(graphdef, params, prompts[place], tables[place][index], memories, start,
-                                          len(prompt), (step, 1), "update")
-            ready.append((place, memories, last if last is not None else logits))
+            held.append((place, memories, logits))
+        ready = []
+        for rows in _batches(held, alone or len({t[index] is None for t in tables}) > 1):
+            ready += _feed_rows(graphdef, params, [prompts[place] for place, _, _ in rows], rows,
+                                [cuts[place] for place, _, _ in rows], [tables[place][index] for place, _, _ in rows],
+                                step)
         for rows in _batches(ready, alone):
             places = [place for place, _, _ in rows]
             memories = _stack([m for _, m, _ in rows])
@@ -235,33 +236,44 @@ def batch_answers(
                 yield place, index, tokens, {"evictions": evictions}
 
 
-def _empty(cfg, config: flsmem.MemoryConfig, rows: int = 1):
-    """Empty memories for ``rows`` answers. A prefilling config's ``max_chunk`` makes the
+def _empty(cfg, config: flsmem.MemoryConfig):
+    """Empty memories for one answer. A prefilling config's ``max_chunk`` makes the
     global layers hold the whole prompt until the cut; the local layers' windows evict
     as they go, so theirs is the largest piece fed, whatever the budget."""
-    return init_memories(cfg, config, rows, window_chunk=min(config.max_chunk, max(PREFILL_CHUNK, config.evict_every)))
+    return init_memories(cfg, config, 1, window_chunk=min(config.max_chunk, max(PREFILL_CHUNK, config.evict_every)))
 
 
-def _stream_together(graphdef, params, cfg, config, prompts, tables) -> tuple[int, list[tuple]]:
-    """The stretch of the prompts that all of them have, in whole pieces of
-    ``evict_every`` tokens, streamed under ``config`` as one batch, a row per prompt.
-    Each row is fed the pieces its prompt is fed alone and evicts on its own, so it
-    holds what it would alone (to float rounding); a piece's weights are read once for
-    every row. Returns where each prompt goes on from, and per prompt its one-row
-    memories and the logits after the stretch's last token (None for no stretch)."""
-    step, rows = config.evict_every, len(prompts)
-    common = min(len(prompt) for prompt in prompts) // step * step
-    memories, logits = _empty(cfg, config, rows), None
-    table = None if tables[0] is None else jnp.concatenate(tables, axis=1)
-    starts = jnp.zeros(rows, jnp.int32)
-    for begin, size in _pieces(0, common, (step,)):
-        tokens = np.stack([prompt[begin:begin + size] for prompt in prompts])
-        targets = np.stack([_targets(prompt, begin, size) for prompt in prompts])
-        memories, logits = _feed(graphdef, params, memories, jnp.asarray(tokens), jnp.asarray(targets),
-                                 starts + begin, table, fold="update")
-    split = [(jax.tree.map(lambda x, r=r: x[:, r:r + 1], memories), None if logits is None else logits[r:r + 1])
-             for r in range(rows)]
-    return common, split
+def _feed_rows(graphdef, params, prompts, rows, starts, tables, step) -> list[tuple]:
+    """Each prompt of ``rows`` (``(place, memories, logits)``, memories of one shape) fed
+    from its start to its end in pieces of ``step`` tokens and then single tokens,
+    evicting when due. The pieces that every prompt has alike in size, from the first,
+    are fed as one batch, a row per prompt at its own positions (a piece's weights read
+    once for all of them, each row evicting on its own, so each holds what it would
+    alone, to float rounding); the rest of each prompt is fed alone. Returns
+    ``(place, memories, logits after the last token)`` per row."""
+    pieces = [_pieces(start, len(prompt), (step, 1)) for prompt, start in zip(prompts, starts)]
+    shared = 0
+    while len(rows) > 1 and all(len(p) > shared for p in pieces) and len({p[shared][1] for p in pieces}) == 1:
+        shared += 1
+    if shared:
+        memories, logits = _stack([m for _, m, _ in rows]), None
+        table = None if tables[0] is None else jnp.concatenate(tables, axis=1)
+        for j in range(shared):
+            size = pieces[0][j][1]
+            begins = [p[j][0] for p in pieces]
+            tokens = np.stack([prompt[b:b + size] for prompt, b in zip(prompts, begins)])
+            targets = np.stack([_targets(prompt, b, size) for prompt, b in zip(prompts, begins)])
+            memories, logits = _feed(graphdef, params, memories, jnp.asarray(tokens), jnp.asarray(targets),
+                                     jnp.asarray(begins, jnp.int32), table, fold="update")
+        rows = [(place, jax.tree.map(lambda x, r=r: x[:, r:r + 1], memories), logits[r:r + 1])
+                for r, (place, _, _) in enumerate(rows)]
+    fed = []
+    for (place, memories, logits), prompt, piece, table in zip(rows, prompts, pieces, tables):
+        start = piece[shared][0] if len(piece) > shared else len(prompt)
+        memories, last = _feed_pieces(graphdef, params, prompt, table, memories, start, len(prompt), (step, 1),
+                                      "update")
+        fed.append((place, memories, last if last is not None else logits))
+    return fed
 
 
 def _sharing(cfg, configs) -> list[list[int]]:
