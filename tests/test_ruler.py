@@ -657,6 +657,9 @@ BAD_ARGUMENTS = {
     "batch zero": (["--batch", "0"], "--batch"),
     "missing model file": (["--model", "{tmp}/none.gguf"], "--model"),
     "length too short": (["--length", "64", "--tasks", "cwe"], "--length 64"),
+    # Sample 0 fits in 256 tokens of the tiny model's tokenizer, a later one does not.
+    "length too short for a later sample": (["--length", "256", "--tasks", "niah_single_1", "--samples", "3"],
+                                            "--length 256"),
     "length past the model's context": (["--lengths", "512,100000"],
                                         "--length 100000 is past tiny's context of 512 tokens"),
     "out is a folder": (["--out", "{tmp}"], "--out"),

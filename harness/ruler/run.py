@@ -45,7 +45,7 @@ from flsmem.harness.ruler.tasks import MAX_NEW_TOKENS, TASKS, make_sample
 from flsmem.models import catalog
 from flsmem.validate import fail, nonneg_int, positive_int, require
 
-__all__ = ["Answerer", "Plan", "QUICK", "run", "add_arguments", "check_arguments", "run_cli"]
+__all__ = ["Answerer", "Plan", "QUICK", "make_samples", "run", "add_arguments", "check_arguments", "run_cli"]
 
 COMMAND = "flsmem ruler"
 # ``--quick``: one sample of the easiest task, the full cache and h2o at a quarter of the
@@ -148,13 +148,33 @@ def _jobs(plan: Plan, samples: list[dict], done: dict[tuple, dict]
             yield policy, sample, todo, answered
 
 
-def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = True) -> int:
+def make_samples(plan: Plan, tokenizer) -> list[dict]:
+    """Every sample of ``plan``, length by length, task by task.
+
+    Raises:
+      ValueError: naming ``--length``, when a sample's fixed part (its needles, keys and
+        question, which vary from sample to sample) does not fit its length.
+    """
+    found = []
+    for length in plan.lengths:
+        for task in plan.tasks:
+            for index in range(plan.samples):
+                try:
+                    found.append(make_sample(task, length, index, tokenizer, plan.seed))
+                except ValueError as error:
+                    raise ValueError(f"--length {length}: {error} (sample {index})") from None
+    return found
+
+
+def run(plan: Plan, out: Path, *, model=None, tokenizer=None, samples: list[dict] | None = None,
+        progress: bool = True) -> int:
     """Answer every sample of ``plan`` not yet in ``out``, appending a row per answer.
 
     Args:
       plan: what to measure.
       out: the JSON-lines file (created with its folder if missing).
       model, tokenizer: the loaded model; loaded from ``plan.model`` when needed.
+      samples: :func:`make_samples` of ``plan``, when made already.
       progress: show a tqdm bar.
 
     Returns:
@@ -163,8 +183,7 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, progress: bool = T
     from tqdm.auto import tqdm
 
     tokenizer = tokenizer or catalog.load_tokenizer(plan.model)
-    samples = [make_sample(task, length, index, tokenizer, plan.seed)
-               for length in plan.lengths for task in plan.tasks for index in range(plan.samples)]
+    samples = samples if samples is not None else make_samples(plan, tokenizer)
     jobs = list(_jobs(plan, samples, _done(out)))
     written = 0
     for _, _, arms, answered in jobs:
@@ -477,16 +496,11 @@ def run_cli(args: argparse.Namespace) -> Path:
             for length in plan.lengths:
                 require(length <= limit, f"--length {length} is past {plan.model}'s context of {limit} tokens; "
                                          "RULER lengths must fit the context the model was trained for")
-            # A length too short for a task is an argument error, found before the model loads.
-            for length in plan.lengths:
-                for task in plan.tasks:
-                    try:
-                        make_sample(task, length, 0, tokenizer, plan.seed)
-                    except ValueError as error:
-                        raise ValueError(f"--length {length}: {error}") from None
+            # A length too short for a sample is an argument error, found before the model loads.
+            samples = make_samples(plan, tokenizer)
     if not args.report:
         begin = time.perf_counter()
-        written = run(plan, out, tokenizer=tokenizer)
+        written = run(plan, out, tokenizer=tokenizer, samples=samples)
         print(f"{written} answers in {time.perf_counter() - begin:.0f} s, appended to {out}", flush=True)
     markdown = report.write(out)
     print(markdown.read_text())
