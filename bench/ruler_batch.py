@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import save, summarise
-from bench.ruler_share import prepare
+from bench.ruler_share import finish, prepare
 from flsmem.harness.ruler import protocols
 
 
@@ -55,12 +54,7 @@ def main(argv=None):
         differ, answered = differ + len(changed), answered + len(found["alone"])
         if number:
             rounds.append(ratio)
-    summary = summarise(rounds)
-    print(f"speed-up of decoding {batch} samples as a batch: x{summary['median']:.2f} "
-          f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f}); {differ} of {answered} answers differ")
-    save(args.out, {"model": args.model, "length": args.length, "task": args.task, "protocol": args.protocol,
-                    "arms": [list(arm) for arm in arms], "batch": batch, "speedup": summary, "answers": answered,
-                    "answers_differing": differ})
+    finish(args, arms, rounds, f"decoding {batch} samples as a batch", differ, answered, batch=batch)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import time
 
-from bench.common import save, summarise
-from bench.ruler_share import prepare
+from bench.ruler_share import finish, prepare
 from flsmem.harness.ruler import protocols
 
 
@@ -41,12 +40,7 @@ def main(argv=None):
         differ, answered = differ + len(changed), answered + len(arms)
         if index:
             rounds.append(ratio)
-    summary = summarise(rounds)
-    print(f"speed-up of resizing the cut memory: x{summary['median']:.2f} "
-          f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f}); {differ} of {answered} answers differ")
-    save(args.out, {"model": args.model, "length": args.length, "task": args.task, "protocol": args.protocol,
-                    "arms": [list(arm) for arm in arms], "speedup": summary, "answers": answered,
-                    "answers_differing": differ})
+    finish(args, arms, rounds, "resizing the cut memory", differ, answered)
 
 
 if __name__ == "__main__":

@@ -53,11 +53,21 @@ def main(argv=None):
               f"x{separate / shared:.2f}", flush=True)
         if index:
             rounds.append(separate / shared)
+    finish(args, arms, rounds, "sharing the prefill", max_new=MAX_NEW)
+
+
+def finish(args, arms, rounds: list[float], what: str, differ: int | None = None, answered: int | None = None,
+           **extra) -> None:
+    """The end of a RULER timing: the median ratio over ``rounds`` (and, when counted,
+    the answers that differ) printed, and saved to ``--out`` with the run's settings and
+    ``extra``."""
     summary = summarise(rounds)
-    print(f"speed-up of sharing the prefill: x{summary['median']:.2f} "
-          f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f})")
+    counted = "" if differ is None else f"; {differ} of {answered} answers differ"
+    print(f"speed-up of {what}: x{summary['median']:.2f} "
+          f"(rounds x{min(rounds):.2f} .. x{max(rounds):.2f}){counted}")
     save(args.out, {"model": args.model, "length": args.length, "task": args.task, "protocol": args.protocol,
-                    "arms": [list(arm) for arm in arms], "max_new": MAX_NEW, "speedup": summary})
+                    "arms": [list(arm) for arm in arms], **extra, "speedup": summary,
+                    **({} if differ is None else {"answers": answered, "answers_differing": differ})})
 
 
 def prepare(argv, prog: str, doc: str, out: str, batches: bool = False):

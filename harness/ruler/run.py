@@ -200,12 +200,12 @@ def run(plan: Plan, out: Path, *, model=None, tokenizer=None, samples: list[dict
     bar = tqdm(total=sum(len(arms) for _, _, arms in jobs), disable=not progress, desc="ruler", unit="answer")
     answerer = Answerer(plan, model, tokenizer)
     last_policy = None
-    for policy, protocol, arms, copies, samples in _units(jobs):
+    for policy, protocol, arms, copies, unit in _units(jobs):
         if policy != last_policy:
             answerer.forget()
             last_policy = policy
-        for begin in range(0, len(samples), plan.batch):
-            for row in answerer.answer(samples[begin:begin + plan.batch], protocol, arms):
+        for begin in range(0, len(unit), plan.batch):
+            for row in answerer.answer(unit[begin:begin + plan.batch], protocol, arms):
                 for copy in copies:
                     _append(out, {**row, "protocol": copy})
                     written += 1
