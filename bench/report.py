@@ -265,8 +265,9 @@ RULER_SPEEDS = {
         "RULER: a batch of samples decoded together",
         "`flsmem ruler --batch K` answers K samples of a task in one call "
         "(`flsmem.harness.ruler.protocols.batch_answers`): each sample's prefill shared by the arms, then "
-        "each arm's K answers decoded as one batch, a row per sample at its own positions; streamed, each "
-        "arm also feeds the stretch that the K prompts have in common as one batch. Each round is K "
+        "each arm's K answers decoded as one batch, a row per sample at its own positions; each arm also "
+        "feeds the pieces of the K prompts that they have alike (streamed, the first ones; after the cut, "
+        "the questions') as one batch. Each round is K "
         "RULER samples: every arm's answers so, against the same samples answered one at a time (each "
         "sharing its prefill), back to back in alternating order after a warm-up round that compiles both. "
         "The model's products then run over the batch, so the two agree to float rounding; the answers "
