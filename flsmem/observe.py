@@ -55,18 +55,19 @@ def observe_one(
     t = state.step
     present = state.valid & (state.birth <= t[:, None, None])
     finite_w = jnp.isfinite(correctness)
-    # Whether a row saw a non-finite entry where an item is present. NaN and Inf carry
-    # through a max (and a max of finite magnitudes cannot overflow), so one reduction
-    # of the attention as it comes says that none is anywhere, the usual case; only
-    # then is the mask applied, in a branch. Masking first would write the masked
-    # attention out in full before reducing it: XLA on CPU does not fuse a mask into a
-    # reduction.
-    def masked_largest(_):
-        return jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2))
+    # Whether a row saw a non-finite entry where an item is present. A sum of the
+    # attention as it comes is finite when every entry is (NaN and Inf carry through
+    # it; finite entries can only overflow it, which the branch then settles), the
+    # usual case; only otherwise is the mask applied, in a branch. Masking first would
+    # write the masked attention out in full before reducing it (XLA on CPU does not
+    # fuse a mask into a reduction). A sum, not a maximum of magnitudes: on CPU it ran
+    # in 40% of the time (90 rows of 4,097 slots, 30 against 75 us).
+    def masked_check(_):
+        return ~jnp.isfinite(jnp.max(jnp.where(present, jnp.abs(attention), 0.0), axis=(1, 2)))
 
-    largest = jnp.max(jnp.abs(attention), axis=(1, 2))
-    largest = lax.cond(jnp.all(jnp.isfinite(largest)), lambda _: largest, masked_largest, None)
-    bad = ~jnp.isfinite(largest) | ~finite_w
+    total = jnp.sum(attention, axis=(1, 2))
+    bad = lax.cond(jnp.all(jnp.isfinite(total)), lambda _: jnp.zeros(total.shape, jnp.bool_), masked_check, None)
+    bad = bad | ~finite_w
     attention = jnp.where(present & jnp.isfinite(attention), attention, 0.0)
     correctness = jnp.where(finite_w, correctness, 0.0)
     if future is not None:

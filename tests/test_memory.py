@@ -107,6 +107,21 @@ def test_nonfinite_entries_of_free_slots_are_neither_inputs_nor_fallbacks():
     assert (smoothed.stats.fallbacks - state.stats.fallbacks).tolist() == [1, 0]
     assert float(smoothed.score[0, 1, 0]) < -1e29 and bool(jnp.all(jnp.isfinite(smoothed.score)))
 
+def test_finite_entries_whose_sum_overflows_are_neither_inputs_nor_fallbacks():
+    """``observe`` and ``smooth`` first sum every slot's entries; a sum that overflows
+    sends the step to the masked count, which must find every entry finite."""
+    config = testing.tiny_config(policy=P.h2o(), budget=4)
+    state = testing.tiny_memory(config)
+    for t in range(2):
+        state = flsmem.write(state, KV, jnp.array([t, t]))
+    huge = jnp.zeros((2, 2, state.slots)).at[:, :, :2].set(3e38)
+    assert not bool(jnp.all(jnp.isfinite(jnp.sum(huge, axis=(1, 2)))))
+    state = flsmem.update(state, huge)
+    assert state.stats.nonfinite_inputs.tolist() == [0, 0]
+    assert state.stats.fallbacks.tolist() == [0, 0]
+    assert float(state.score[0, 0, 0]) == pytest.approx(3e38, rel=1e-6)
+
+
 
 def test_missed_evictions_force_replacement_and_are_counted():
     config = testing.tiny_config(policy=P.h2o(), budget=2)
