@@ -53,7 +53,10 @@ def observe_one(
     """Fold one query (already validated) and advance the clock by one step."""
     policy = state.config.policy
     t = state.step
-    present = state.valid & (state.birth <= t[:, None, None])
+    # The items that have arrived by this query are those `present` once the clock has
+    # advanced; written as that mask is (birth below the next step), XLA computes it
+    # once for this step's fold and for what smooth and evict read after it.
+    present = state.valid & (state.birth < (t + 1)[:, None, None])
     finite_w = jnp.isfinite(correctness)
     # Whether a row saw a non-finite entry where an item is present. A sum of the
     # attention as it comes is finite when every entry is (NaN and Inf carry through
