@@ -129,3 +129,22 @@ def test_attend_rejects_bad_arguments():
         flsmem.attend(memory, q, kv, kv, position, fold=False, correctness=jnp.ones((1, 1)))
     with pytest.raises(ValueError, match="head_dim must be an int >= 1"):
         flsmem.init_kv(config, 1, 2, 0)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+def test_a_decode_steps_bookkeeping_exports_for_every_platform(platform):
+    """A user's jitted step (place the new item in every layer, then update them all)
+    serialises with ``jax.export`` for each platform with no safety check disabled: no
+    custom call without a compatibility guarantee in the library's step."""
+    config = flsmem.MemoryConfig(policy=P.rmm(lag=2), budget=8, evict_every=2)
+    memories = flsmem.init_kv(config, 1, 2, 4, layers=3)
+    slots = memories.valid.shape[-1]
+
+    def step(memories, position, attention):
+        memories, _ = flsmem.place(memories, position)
+        return flsmem.update_layers(memories, attention)
+
+    args = (memories, jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((3, 1, 2, slots), jnp.float32))
+    exported = jax.export.export(jax.jit(step), platforms=[platform])(*args)
+    out = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    assert jax.tree.map(jnp.shape, out) == jax.tree.map(jnp.shape, memories)
