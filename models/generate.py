@@ -22,15 +22,23 @@ from flax import nnx
 import flsmem
 from flsmem.models.decoder import Decoder, Memories, init_memories
 
-__all__ = ["generate", "decode_step", "decode_loop", "sample", "stream", "Step"]
+__all__ = ["generate", "decode_step", "decode_loop", "confidence", "sample", "stream", "Step"]
+
+
+def confidence(logits: jax.Array) -> jax.Array:
+    """The probability of the greedy token under ``softmax(logits)`` (last axis), the
+    serving proxy of a prediction's correctness: ``1 / sum(exp(logits - max))``, one
+    reduction over the vocabulary after its maximum, where ``exp(max(log_softmax))``
+    would write the log-probabilities out and reduce them again, every decode step."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    return 1.0 / jnp.sum(jnp.exp(logits - top), axis=-1)
 
 
 def _prefill(model, memories, prompt, start, correctness):
     b, q = prompt.shape
     positions = jnp.broadcast_to(start + jnp.arange(q, dtype=jnp.int32)[None, :], (b, q))
     logits, memories, attention = model(prompt, positions, memories)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b, q))
+    weight = confidence(logits) if correctness == "confidence" else jnp.ones((b, q))
     return memories.fold(attention, weight), logits[:, -1]
 
 
@@ -69,8 +77,7 @@ def decode_step(model, memories, logits, t, correctness="confidence"):
     b = logits.shape[0]
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
     out, memories, attention = model(token[:, None], jnp.full((b, 1), t, jnp.int32), memories)
-    logp = jax.nn.log_softmax(out[:, 0], axis=-1)
-    weight = jnp.exp(jnp.max(logp, axis=-1)) if correctness == "confidence" else jnp.ones((b,))
+    weight = confidence(out[:, 0]) if correctness == "confidence" else jnp.ones((b,))
     memories = memories.fold(attention[:, :, :, 0], weight)
     return memories, out[:, 0], token
 
@@ -168,7 +175,7 @@ def _decode(graphdef, params, memories, logits, forced, use_forced, position, ke
     token = jnp.where(use_forced, forced, sample(logits, key, temperature, top_p))
     b = token.shape[0]
     out, memories, attention = model(token[:, None], jnp.full((b, 1), position, jnp.int32), memories)
-    weight = jnp.exp(jnp.max(jax.nn.log_softmax(out[:, 0], axis=-1), axis=-1))
+    weight = confidence(out[:, 0])
     memories = memories.fold(attention[:, :, :, 0], weight)
     held = jnp.max(jnp.sum(memories.evictable.valid, axis=-1))
     return memories, out[:, 0], token, held, jnp.sum(memories.evictable.stats.evictions)

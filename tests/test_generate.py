@@ -11,7 +11,7 @@ import flsmem
 from flsmem import policies as P
 from flsmem.harness.cli import main
 from flsmem.models.decoder import Decoder, DecoderConfig
-from flsmem.models.generate import sample, stream
+from flsmem.models.generate import confidence, sample, stream
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, q_heads=4, kv_heads=2, head_dim=8, hidden=64, max_len=128)
 MODEL = Decoder(CFG, nnx.Rngs(0))
@@ -67,6 +67,18 @@ def test_top_p_keeps_the_smallest_nucleus():
     draws = {int(sample(logits, jax.random.key(i), 1.0, 0.7)[0]) for i in range(200)}
     assert draws == {0, 1}  # 0.5 < 0.7 needs the second token; 0.8 >= 0.7 stops there
     assert int(sample(logits, jax.random.key(0), 0.0, 0.7)[0]) == 0
+
+
+def test_confidence_is_the_greedy_tokens_probability():
+    rng = np.random.default_rng(0)
+    # Logits far from zero (an overflow of exp without the shift), one row of equal
+    # logits and a peaked one.
+    logits = np.concatenate([rng.normal(size=(3, 50)) * 8 + 300, np.zeros((1, 50)),
+                             np.r_[40.0, np.zeros(49)][None]]).astype(np.float32)
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    expected = np.exp(shifted).max(axis=-1) / np.exp(shifted).sum(axis=-1)
+    np.testing.assert_allclose(confidence(jnp.asarray(logits)), expected, rtol=1e-6)
+    assert float(confidence(jnp.zeros((1, 50)))[0]) == pytest.approx(1 / 50)
 
 
 @pytest.mark.parametrize("argv, message", [

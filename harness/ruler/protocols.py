@@ -50,6 +50,7 @@ from flax import nnx
 import flsmem
 from flsmem import policies as P
 from flsmem.models.decoder import Decoder, init_memories
+from flsmem.models.generate import confidence
 
 __all__ = ["PROTOCOLS", "PREFILL_CHUNK", "memory_config", "answer", "answers", "batch_answers", "answer_attention"]
 
@@ -471,9 +472,8 @@ def _feed(graphdef, params, memories, tokens, targets, start, table, *, fold, ke
     model = nnx.merge(graphdef, params)
     positions = jnp.reshape(start, (-1, 1)) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, memories, attention = model(tokens, positions, memories)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    hit = (jnp.argmax(logp, axis=-1) == targets).astype(jnp.float32)
-    weight = jnp.where(targets >= 0, hit, jnp.exp(jnp.max(logp, axis=-1)))
+    hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    weight = jnp.where(targets >= 0, hit, confidence(logits))
     future = _future(memories.evictable, table, tokens.shape[1])
     fold = memories.observe if fold == "observe" else memories.fold
     if keep:
